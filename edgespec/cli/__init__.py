@@ -1,0 +1,53 @@
+"""`edgespec` command line: one module per sub-command, each exposing `add_parser(subparsers)`.
+
+Exit codes: 0 ok, 1 runtime failure, 2 bad usage or bad input (argparse convention).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from edgespec.common.errors import EdgespecError
+
+SUBCOMMANDS = ("run", "models", "verifier", "bench")
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+class CliError(Exception):
+    """A user-facing error: printed without a traceback, exits with `code`."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edgespec", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug information")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"edgespec.cli.{name}").add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except CliError as exc:
+        print(f"edgespec: error: {exc}", file=sys.stderr)
+        return exc.code
+    except EdgespecError as exc:
+        print(f"edgespec: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

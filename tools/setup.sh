@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One-shot, idempotent set-up: virtualenv in .venv, llama-cpp-python built with flags that run on
+# this machine (wheel cached), edgespec with its extras, and the default models in the cache.
+#   tools/setup.sh            # edge + verifier + dev tools, default models
+#   EDGESPEC_MODELS="test" tools/setup.sh   # only fetch the small test model
+# Environment: EDGESPEC_HOME (cache, default ~/.cache/edgespec), EDGESPEC_LLAMA_FLAVOR
+# (cpu-portable | cuda), PYTHON (interpreter for the venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+HOME_DIR=${EDGESPEC_HOME:-$HOME/.cache/edgespec}
+PYTHON=${PYTHON:-python3}
+VENV=${EDGESPEC_VENV:-$ROOT/.venv}
+LLAMA_VERSION=0.3.36
+FLAVOR=${EDGESPEC_LLAMA_FLAVOR:-cpu-portable}
+MODELS=${EDGESPEC_MODELS:-default test}
+
+case "$FLAVOR" in
+  # The default -march=native build dies with "Illegal instruction" on VMs that advertise AMX.
+  cpu-portable) LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF" ;;
+  cuda) LLAMA_CMAKE_ARGS="-DGGML_CUDA=on -DLLAVA_BUILD=OFF ${EDGESPEC_CUDA_ARCH:+-DCMAKE_CUDA_ARCHITECTURES=$EDGESPEC_CUDA_ARCH}" ;;
+  *) echo "unknown EDGESPEC_LLAMA_FLAVOR=$FLAVOR (cpu-portable|cuda)" >&2; exit 2 ;;
+esac
+if [ "$FLAVOR" = cpu-portable ] && [ "$(uname -m)" != x86_64 ]; then
+  LLAMA_CMAKE_ARGS="-DLLAVA_BUILD=OFF"   # aarch64 (Jetson without CUDA): the native build is fine
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+"${PIP[@]}" install -c constraints/ci.txt "pip>=23" "setuptools>=68" wheel
+
+# llama-cpp-python: build once per flavor and machine arch, then reuse the wheel.
+WHEELS="$HOME_DIR/wheels/$FLAVOR-$(uname -m)"
+if ! "$VENV/bin/python" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$LLAMA_VERSION')" 2>/dev/null; then
+  if ! ls "$WHEELS"/llama_cpp_python-$LLAMA_VERSION-*.whl >/dev/null 2>&1; then
+    echo "[setup] building llama-cpp-python $LLAMA_VERSION ($FLAVOR); this takes ~12 minutes once"
+    mkdir -p "$WHEELS"
+    CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+      "${PIP[@]}" wheel --no-deps "llama-cpp-python==$LLAMA_VERSION" -w "$WHEELS"
+  fi
+  "${PIP[@]}" install -c constraints/ci.txt --no-deps "$WHEELS"/llama_cpp_python-$LLAMA_VERSION-*.whl
+  "${PIP[@]}" install -c constraints/ci.txt "typing-extensions>=4.5" "diskcache>=5.6.1" "jinja2>=2.11.3"
+fi
+
+echo "[setup] installing edgespec and its dependencies"
+"${PIP[@]}" install -c constraints/ci.txt -e ".[edge,verifier,dev,bench]"
+
+for m in $MODELS; do
+  "$VENV/bin/edgespec" models fetch "$m"
+done
+echo "[setup] done: $VENV/bin/edgespec is ready"

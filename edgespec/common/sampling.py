@@ -1,0 +1,78 @@
+"""Sampling parameters and the distributions both sides derive from logits.
+
+The target's p and the draft's q must be computed the same way everywhere, so this is the one
+place that turns logits into probabilities (temperature, top-k, top-p) and quantises q for the wire.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgespec.common.errors import InvalidRequestError
+
+Q_SCALE = 65535  # draft probabilities travel as uint16 fractions of this scale
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; top_k 0 and top_p 1 mean no truncation."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Full-vocabulary float64 distribution after temperature, top-k and top-p (nucleus)."""
+    z = np.asarray(logits, dtype=np.float64) / max(params.temperature, 1e-8)
+    if 0 < params.top_k < z.size:
+        kth = np.partition(z, -params.top_k)[-params.top_k]
+        z = np.where(z >= kth, z, -np.inf)
+    z -= z.max()
+    p = np.exp(z)
+    p /= p.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        cum = np.cumsum(p[order])
+        keep = order[: int(np.searchsorted(cum, params.top_p)) + 1]
+        mask = np.zeros_like(p, dtype=bool)
+        mask[keep] = True
+        p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def top2_margin(logits: np.ndarray) -> float:
+    """Logit gap between the best and second-best token: small means a near-tie."""
+    a, b = np.partition(np.asarray(logits, dtype=np.float64), -2)[-2:]
+    return float(b - a)
+
+
+def quantize_draft(tokens: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Quantise a truncated draft distribution to uint16 weights; every kept token keeps weight >= 1.
+
+    The draft then samples from `dequantize(weights)`, so the verifier knows q bit-exactly.
+    """
+    probs = np.asarray(probs, dtype=np.float64)
+    weights = np.maximum(np.rint(probs / probs.sum() * Q_SCALE), 1).astype(np.uint16)
+    return np.asarray(tokens, dtype=np.int32), weights
+
+
+def dequantize(weights: np.ndarray) -> np.ndarray:
+    """The exact float64 q both sides use."""
+    w = np.asarray(weights, dtype=np.float64)
+    return w / w.sum()

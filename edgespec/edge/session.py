@@ -1,0 +1,142 @@
+"""EdgeSession: the app-facing API. Drafts trees locally and has them verified.
+
+The decode loop is deliberately small: sync -> grow a tree -> verify -> commit. The verifier is
+anything with `sync(committed)`, `verify(tree, sampling, step)` and `close()`: the in-process
+llama.cpp target (local mode) or the gRPC link to a verifier service.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol, Sequence
+
+from edgespec.common import modelstore
+from edgespec.common.errors import InvalidRequestError, TokenizerMismatchError
+from edgespec.common.sampling import SamplingParams
+from edgespec.common.tree import TokenTree
+from edgespec.edge.drafting import Drafter, TreeShape
+from edgespec.runtime.llama import ContextConfig, LlamaModel, TextStream
+from edgespec.runtime.tree_verifier import LlamaTreeVerifier, VerifyResult
+
+Messages = str | Sequence[dict[str, str]]
+
+
+class Verifier(Protocol):
+    def sync(self, committed: list[int]) -> None: ...
+    def verify(self, tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class SessionStats:
+    """Cumulative over the session. τ counts the target's own token (EAGLE convention)."""
+
+    tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per target step (accepted drafts + 1)."""
+        return self.tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafted tokens / drafted nodes (for trees this falls with width by design)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> str:
+        return (f"{self.tokens} tokens in {self.seconds:.2f} s ({self.tokens_per_second:.2f} tok/s), "
+                f"{self.steps} target steps, tau {self.tau:.2f}, acceptance {self.acceptance_rate:.2f}")
+
+
+class EdgeSession:
+    """Speculative chat: `EdgeSession().chat("hi")` uses the bundled default models locally."""
+
+    def __init__(self, draft: str = "draft", target: str = "target", *, tree: TreeShape = TreeShape(),
+                 n_ctx: int = 4096, verifier: Verifier | None = None) -> None:
+        self.draft_model = LlamaModel(modelstore.resolve(draft))
+        self.tree_shape = tree
+        config = ContextConfig(n_ctx=n_ctx, max_tree_nodes=max(tree.width * tree.max_depth, tree.budget) + 1)
+        if verifier is None:
+            self.target_model = LlamaModel(modelstore.resolve(target))
+            if self.target_model.tokenizer_fingerprint() != self.draft_model.tokenizer_fingerprint():
+                raise TokenizerMismatchError(
+                    f"draft {self.draft_model.path.name} and target {self.target_model.path.name} have different "
+                    "token lists; speculative decoding needs a draft with the target's tokenizer")
+            verifier = LlamaTreeVerifier(self.target_model, config)
+        self.verifier = verifier
+        self.drafter = Drafter(self.draft_model, config)
+        self.stats = SessionStats()
+
+    def close(self) -> None:
+        self.verifier.close()
+        self.drafter.close()
+
+    def __enter__(self) -> "EdgeSession":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def chat(self, messages: Messages, *, stream: bool = False, max_tokens: int = 256, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> str | Iterator[str]:
+        """Answer a prompt or a list of {"role", "content"} messages; stream=True yields text chunks."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        if not messages or not any(m.get("content", "").strip() for m in messages):
+            raise InvalidRequestError("the prompt is empty")
+        if max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be > 0, got {max_tokens}")
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        prompt = self.draft_model.chat_tokens(list(messages))
+        chunks = self._stream_text(prompt, max_tokens, sampling)
+        return chunks if stream else "".join(chunks)
+
+    def generate_tokens(self, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> Iterator[list[int]]:
+        """The decode loop; yields the tokens committed by each target step (EOS excluded)."""
+        committed = list(prompt)
+        self.verifier.sync(committed)
+        produced = 0
+        for step in range(max_tokens):
+            started = time.perf_counter()
+            draft = self.drafter.grow(committed, self.tree_shape, sampling, step)
+            verify_started = time.perf_counter()
+            result = self.verifier.verify(draft.tree, sampling, step)
+            self.drafter.accept(result.path, committed)
+            new = result.tokens[: max_tokens - produced]
+            end = next((i for i, t in enumerate(new) if self.draft_model.is_end_of_generation(t)), None)
+            committed.extend(new)
+            emitted = new if end is None else new[:end]
+            produced += len(emitted)
+            s = self.stats
+            s.steps += 1
+            s.tokens += len(emitted)
+            s.drafted += len(draft.tree) - 1
+            s.accepted += len(result.path)
+            s.draft_seconds += verify_started - started
+            s.verify_seconds += time.perf_counter() - verify_started
+            s.seconds += time.perf_counter() - started
+            if emitted:
+                yield emitted
+            if end is not None or produced >= max_tokens:
+                return
+
+    def _stream_text(self, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> Iterator[str]:
+        text = TextStream(self.draft_model)
+        for tokens in self.generate_tokens(prompt, max_tokens, sampling):
+            chunk = text.push(tokens)
+            if chunk:
+                yield chunk
+        tail = text.flush()
+        if tail:
+            yield tail

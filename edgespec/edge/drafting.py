@@ -32,13 +32,18 @@ class TreeShape:
     min_prob: float = 0.0   # drop nodes whose path probability falls below this
 
     @classmethod
+    def target_only(cls) -> "TreeShape":
+        """No drafting at all: plain autoregressive decoding with the target (the baseline)."""
+        return cls(budget=0)
+
+    @classmethod
     def chain(cls, k: int) -> "TreeShape":
         """Classic chain speculation with k drafted tokens."""
         return cls(budget=k, max_depth=k, top_k=1, width=1)
 
     def __post_init__(self) -> None:
-        if min(self.budget, self.max_depth, self.top_k, self.width) < 1 and self.budget != 0:
-            raise ValueError(f"tree shape values must be >= 1: {self}")
+        if self.budget < 0 or min(self.max_depth, self.top_k, self.width) < 1:
+            raise ValueError(f"tree shape needs budget >= 0 and max_depth, top_k, width >= 1: {self}")
 
 
 @dataclass

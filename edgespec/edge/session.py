@@ -63,7 +63,7 @@ class EdgeSession:
     """Speculative chat: `EdgeSession().chat("hi")` uses the bundled default models locally."""
 
     def __init__(self, draft: str = "draft", target: str = "target", *, tree: TreeShape = TreeShape(),
-                 n_ctx: int = 4096, verifier: Verifier | None = None) -> None:
+                 n_ctx: int = 4096, verifier: Verifier | None = None, local: bool = True) -> None:
         self.draft_model = LlamaModel(modelstore.resolve(draft))
         self.tree_shape = tree
         config = ContextConfig(n_ctx=n_ctx, max_tree_nodes=max(tree.width * tree.max_depth, tree.budget) + 1)
@@ -109,9 +109,12 @@ class EdgeSession:
         produced = 0
         for step in range(max_tokens):
             started = time.perf_counter()
-            draft = self.drafter.grow(committed, self.tree_shape, sampling, step)
+            if self.tree_shape.budget:
+                tree = self.drafter.grow(committed, self.tree_shape, sampling, step).tree
+            else:  # target-only decoding (the baseline): a root-only tree, one token per step
+                tree = TokenTree.chain(committed[-1], [])
             verify_started = time.perf_counter()
-            result = self.verifier.verify(draft.tree, sampling, step)
+            result = self.verifier.verify(tree, sampling, step)
             self.drafter.accept(result.path, committed)
             new = result.tokens[: max_tokens - produced]
             end = next((i for i, t in enumerate(new) if self.draft_model.is_end_of_generation(t)), None)
@@ -121,7 +124,7 @@ class EdgeSession:
             s = self.stats
             s.steps += 1
             s.tokens += len(emitted)
-            s.drafted += len(draft.tree) - 1
+            s.drafted += len(tree) - 1
             s.accepted += len(result.path)
             s.draft_seconds += verify_started - started
             s.verify_seconds += time.perf_counter() - verify_started

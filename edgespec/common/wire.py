@@ -97,7 +97,7 @@ ERROR_OF_STATUS: dict[grpc.StatusCode, type[EdgespecError]] = {
 
 _ERROR_CLASSES: dict[str, type[EdgespecError]] = {
     cls.__name__: cls
-    for cls in [*(c for c, _ in STATUS_OF), *(getattr(errors, n) for n in dir(errors))]
+    for cls in [*(c for c, _ in STATUS_OF), WireFormatError, *(getattr(errors, n) for n in dir(errors))]
     if isinstance(cls, type) and issubclass(cls, EdgespecError)
 }
 

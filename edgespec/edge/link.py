@@ -18,6 +18,7 @@ of the serialised protobuf messages each way (HTTP/2 and TLS framing not include
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import queue
 import threading
@@ -37,6 +38,7 @@ from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 
 _END = object()
+_RESULT_FIELDS = {f.name for f in dataclasses.fields(VerifyResult)}  # per-step link figures, where supported
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),          # notice a dead peer during long idle chats
     ("grpc.keepalive_timeout_ms", 10_000),
@@ -307,8 +309,11 @@ class RemoteVerifier:
             s.queue_ms += verified.queue_ms
             s.compute_ms += verified.compute_ms
             self._committed.extend(verified.tokens)
+            timings = {"queue_s": verified.queue_ms / 1000, "network_s": rtt / 1000,
+                       "bytes_up": request.ByteSize(), "bytes_down": reply.ByteSize()}
             return VerifyResult(path=verified.path, tokens=verified.tokens, margins=verified.margins,
-                                compute_s=verified.compute_ms / 1000)
+                                compute_s=verified.compute_ms / 1000,
+                                **{k: v for k, v in timings.items() if k in _RESULT_FIELDS})
         raise VerifierUnavailableError("the verifier keeps asking for a resync; giving up on this step")
 
     def _roundtrip(self, message: pb.EdgeMessage, *expected: str) -> pb.VerifierMessage:

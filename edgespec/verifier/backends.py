@@ -117,6 +117,11 @@ class LlamaCpuBackend(Backend):
                  model_id: str | None = None) -> None:
         if not 2 <= max_nodes <= MAX_TREE_NODES:
             raise ValueError(f"max_nodes must be in [2, {MAX_TREE_NODES}], got {max_nodes}")
+        if n_ctx < max(max_nodes + 1, max_depth + 2):
+            # llama.cpp clamps n_batch to n_ctx and then aborts the process on a tree batch that
+            # does not fit (GGML_ASSERT n_outputs_max): refuse such configurations up front.
+            raise ValueError(f"n_ctx {n_ctx} is too small for trees of {max_nodes} nodes / depth {max_depth}: "
+                             f"use n_ctx >= {max(max_nodes + 1, max_depth + 2)} or lower --max-nodes")
         self.model = LlamaModel(model_path, n_gpu_layers=n_gpu_layers)
         # max_tree_nodes counts the root too: the context gets max_nodes + 1 sequences.
         self.config = ContextConfig(n_ctx=n_ctx, n_threads=n_threads, max_tree_nodes=max_nodes)

@@ -1,0 +1,486 @@
+"""The verifier service for real: `python -m edgespec verifier serve` on loopback, real gRPC, SmolLM2.
+
+Covers: greedy output over the link == local mode token for token, concurrent sessions, LRU
+eviction + transparent resync, idle timeout, per-step deadline, every bad input with its status
+code (and the server still healthy and serving others afterwards), bearer-token auth, TLS, the
+standard health service, reflection and the embedded (child-process) verifier.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2
+
+from edgespec import EdgeSession, TreeShape
+from edgespec.common import wire
+from edgespec.common.errors import (ContextOverflowError, InvalidTreeError, ModelError, TokenizerMismatchError,
+                                    VerifierUnavailableError)
+from edgespec.common.sampling import SamplingParams
+from edgespec.common.tree import TokenTree
+from edgespec.edge.link import RemoteVerifier
+from edgespec.v1 import edgespec_pb2 as pb
+from grpc_helpers import RawStream, ServerProcess, error_class, make_tls_files
+
+TOKEN = "test-token-0123456789"
+N_CTX = 1024
+PROMPTS = ["Write a Python function that adds two numbers.", "What is the capital of France? Answer briefly.",
+           "List three fruits.", "Explain recursion in one sentence."]
+MAX_TOKENS = 32
+GREEDY = SamplingParams()
+SERVING = health_pb2.HealthCheckResponse.SERVING
+C = grpc.StatusCode
+
+
+# -- fixtures ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(smol_path):
+    srv = ServerProcess(smol_path, "--n-ctx", str(N_CTX), "--max-sessions", "4", token=TOKEN)
+    yield srv
+    assert srv.alive, "".join(srv.stderr)
+    assert srv.stop() == 0, "SIGTERM must shut the server down cleanly"
+
+
+@pytest.fixture(scope="module")
+def small_server(smol_path):
+    """One KV slot (eviction), three streams, a small context and a 1 s idle timeout; no auth."""
+    srv = ServerProcess(smol_path, "--n-ctx", "256", "--max-sessions", "1", "--max-streams", "3",
+                        "--idle-timeout-s", "1")
+    yield srv
+    assert srv.stop() == 0, "".join(srv.stderr)
+
+
+@pytest.fixture(scope="module")
+def local_session(smol_path):
+    with EdgeSession(smol_path, smol_path, local=True, n_ctx=N_CTX) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def fingerprint(local_session):
+    return local_session.draft_model.tokenizer_fingerprint()
+
+
+@pytest.fixture(scope="module")
+def prompts(local_session):
+    return [local_session.draft_model.chat_tokens([{"role": "user", "content": p}]) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(local_session, prompts):
+    """Local-mode output of every prompt (the same llama.cpp computation the server does)."""
+    return [generate(local_session, p) for p in prompts]
+
+
+def generate(session: EdgeSession, prompt: list[int], n: int = MAX_TOKENS) -> list[int]:
+    return [t for chunk in session.generate_tokens(prompt, n, GREEDY) for t in chunk]
+
+
+def remote_session(srv: ServerProcess, smol_path, **kw) -> EdgeSession:
+    return EdgeSession(smol_path, smol_path, verifier=srv.address, token=srv.token, n_ctx=N_CTX, **kw)
+
+
+def open_raw(srv: ServerProcess, fingerprint: str, model_id: str = "test", token: str | None = "default"):
+    ch = srv.channel(token=token)
+    s = RawStream(ch)
+    reply = s.ask(wire.open_message(model_id, fingerprint))
+    assert not isinstance(reply, Exception), reply
+    return ch, s, reply.opened
+
+
+def expect_error(reply, code: grpc.StatusCode, match: str | None = None) -> grpc.RpcError:
+    assert isinstance(reply, grpc.RpcError), f"expected {code.name}, got {reply!r}"
+    assert reply.code() == code, (reply.code(), reply.details())
+    if match:
+        assert match in reply.details(), reply.details()
+    return reply
+
+
+def assert_healthy_and_serving(srv: ServerProcess, fingerprint: str, prompt: list[int]) -> None:
+    """The process lives, health says SERVING, and a fresh session verifies correctly."""
+    assert srv.alive, "".join(srv.stderr)
+    assert srv.health() == SERVING
+    ch, s, _ = open_raw(srv, fingerprint)
+    try:
+        assert s.ask(wire.sync_message(prompt)).synced.n_tokens == len(prompt)
+        reply = s.ask(wire.verify_message(TokenTree.chain(prompt[-1], []), GREEDY, 0, context_length=len(prompt)))
+        assert reply.WhichOneof("kind") == "verified", reply
+        assert len(wire.tokens_from_bytes(reply.verified.tokens)) == 1
+    finally:
+        s.close()
+        ch.close()
+
+
+# -- correctness over the link ----------------------------------------------------------------
+def test_greedy_over_the_link_equals_local(server, smol_path, prompts, reference):
+    with remote_session(server, smol_path) as session:
+        for prompt, ref in zip(prompts, reference):
+            assert generate(session, prompt) == ref
+        link = session.stats.link
+        assert link.steps == session.stats.steps > 0
+        assert link.syncs == len(prompts) and link.resyncs == 0
+        assert link.bytes_up_per_step > 0 and link.bytes_down_per_step > 0
+        assert link.mean_compute_ms > 0 and link.mean_rtt_ms >= 0
+        assert "rtt" in link.summary() and "tau" in session.stats.summary()
+
+
+def test_chat_text_over_the_link_equals_local(server, smol_path, local_session):
+    with remote_session(server, smol_path, tree=TreeShape.chain(4)) as remote, \
+            EdgeSession(smol_path, smol_path, local=True, n_ctx=N_CTX, tree=TreeShape.chain(4)) as local:
+        assert remote.chat(PROMPTS[0], max_tokens=24) == local.chat(PROMPTS[0], max_tokens=24)
+
+
+def test_concurrent_sessions(server, smol_path, prompts, reference):
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            with remote_session(server, smol_path) as s:
+                results[i] = generate(s, prompts[i])
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert [results[i] for i in range(3)] == reference[:3]
+
+
+def test_info_and_reflection(server, fingerprint):
+    info = server.info()
+    assert info.model_id == "smollm2-135m-instruct" and "test" in info.model_aliases
+    assert info.tokenizer_hash == fingerprint and info.vocab_size == 49152 and info.n_ctx == N_CTX
+    assert info.protocol_version == wire.PROTOCOL_VERSION and info.max_nodes == 128
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with server.channel() as ch:
+        services = ProtoReflectionDescriptorDatabase(ch).get_services()
+        assert wire.SERVICE_NAME in services and "grpc.health.v1.Health" in services
+        desc = ProtoReflectionDescriptorDatabase(ch).FindFileContainingSymbol(wire.SERVICE_NAME)
+        assert desc.package == "edgespec.v1"
+
+
+def test_health_needs_no_token(server):
+    assert server.health("") == SERVING
+    assert server.health(wire.SERVICE_NAME) == SERVING
+
+
+# -- eviction, idle timeout, limits, deadline -------------------------------------------------
+def test_eviction_and_transparent_resync(small_server, smol_path, prompts, reference):
+    """One KV slot, two sessions stepping alternately: each step evicts the other; both stay correct."""
+    before = small_server.info()
+    a, b = (EdgeSession(smol_path, smol_path, verifier=small_server.address, n_ctx=N_CTX) for _ in range(2))
+    with a, b:
+        gens = [a.generate_tokens(prompts[0], MAX_TOKENS, GREEDY), b.generate_tokens(prompts[1], MAX_TOKENS, GREEDY)]
+        outs: list[list[int]] = [[], []]
+        live = [True, True]
+        while any(live):
+            for i, g in enumerate(gens):
+                if live[i]:
+                    chunk = next(g, None)
+                    if chunk is None:
+                        live[i] = False
+                    else:
+                        outs[i] += chunk
+        assert outs == reference[:2]
+        assert a.stats.link.resyncs > 0 and b.stats.link.resyncs > 0
+    after = small_server.info()
+    assert after.resyncs - before.resyncs == a.stats.link.resyncs + b.stats.link.resyncs
+    assert after.evictions > before.evictions and after.max_sessions == 1
+
+
+def test_idle_timeout_asks_for_resync(small_server, fingerprint, prompts):
+    ch, s, _ = open_raw(small_server, fingerprint)
+    try:
+        s.ask(wire.sync_message(prompts[0]))
+        time.sleep(1.8)  # idle timeout 1 s, reaper every 0.25 s
+        tree = TokenTree.chain(prompts[0][-1], [])
+        reply = s.ask(wire.verify_message(tree, GREEDY, 0))
+        assert reply.WhichOneof("kind") == "resync_required"
+        assert reply.resync_required.reason == pb.ResyncRequired.IDLE_TIMEOUT and reply.resync_required.step == 0
+        s.ask(wire.sync_message(prompts[0]))
+        assert s.ask(wire.verify_message(tree, GREEDY, 0)).WhichOneof("kind") == "verified"
+    finally:
+        s.close()
+        ch.close()
+
+
+def test_context_mismatch_asks_for_resync(server, fingerprint, prompts):
+    ch, s, _ = open_raw(server, fingerprint)
+    try:
+        s.ask(wire.sync_message(prompts[0]))
+        reply = s.ask(wire.verify_message(TokenTree.chain(prompts[0][-1], []), GREEDY, 0, context_length=3))
+        assert reply.resync_required.reason == pb.ResyncRequired.UNKNOWN_CONTEXT
+    finally:
+        s.close()
+        ch.close()
+
+
+def wait_for_streams(srv: ServerProcess, n: int, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while srv.info().open_streams > n:
+        assert time.monotonic() < deadline, "streams of earlier tests were not released"
+        time.sleep(0.05)
+
+
+def test_too_many_streams(small_server, fingerprint, prompts):
+    wait_for_streams(small_server, 0)
+    held = [open_raw(small_server, fingerprint) for _ in range(3)]
+    try:
+        ch = small_server.channel()
+        extra = RawStream(ch)
+        err = expect_error(extra.ask(wire.open_message("test", fingerprint)), C.RESOURCE_EXHAUSTED, "open sessions")
+        assert error_class(err) == "VerifierBusyError"
+        ch.close()
+        with pytest.raises(wire.VerifierBusyError, match="open sessions"):
+            RemoteVerifier(small_server.address, tokenizer_hash=fingerprint)
+    finally:
+        for ch, s, _ in held:
+            s.close()
+            ch.close()
+    wait_for_streams(small_server, 0)
+    assert_healthy_and_serving(small_server, fingerprint, prompts[0])
+
+
+def test_kv_slots_all_in_flight_is_resource_exhausted(smol_path):
+    """Registry level, real backend: the only slot belongs to a session with a queued request."""
+    from edgespec.verifier.backends import LlamaCpuBackend
+    from edgespec.verifier.sessions import SessionRegistry
+
+    backend = LlamaCpuBackend(smol_path, n_ctx=256)
+    registry = SessionRegistry(backend, max_sessions=1)
+    try:
+        a, b = registry.open_stream(), registry.open_stream()
+        with registry.compute(a, time.monotonic()):
+            registry.ensure_slot(a).sync([1, 2, 3])
+        queued = threading.Event()
+        with registry.compute(b, time.monotonic()):
+            def a_waits() -> None:
+                queued.set()
+                with registry.compute(a, time.monotonic()):
+                    pass
+
+            t = threading.Thread(target=a_waits)
+            t.start()
+            queued.wait()
+            while a.in_flight == 0:
+                time.sleep(0.001)
+            with pytest.raises(wire.VerifierBusyError, match="KV slots"):
+                registry.ensure_slot(b)
+        t.join()
+        with registry.compute(b, time.monotonic()):  # a is idle again: evicted for b
+            registry.ensure_slot(b)
+        assert a.kv is None and registry.stats.evictions == 1
+    finally:
+        registry.close()
+        backend.close()
+
+
+def test_deadline_exceeded_while_queued(server, fingerprint, prompts):
+    ch, waiting, _ = open_raw(server, fingerprint)
+    ch2, busy, _ = open_raw(server, fingerprint)
+    try:
+        waiting.ask(wire.sync_message(prompts[0]))
+        rng = random.Random(0)
+        long_context = [rng.randrange(100, 40000) for _ in range(300)]  # ~2 s of prefill on one thread
+        t = threading.Thread(target=busy.ask, args=(wire.sync_message(long_context),))
+        t.start()
+        time.sleep(0.2)
+        reply = waiting.ask(wire.verify_message(TokenTree.chain(prompts[0][-1], []), GREEDY, 0, deadline_ms=50))
+        err = expect_error(reply, C.DEADLINE_EXCEEDED, "deadline of 50 ms")
+        assert error_class(err) == "DeadlineExceededError"
+        t.join()
+    finally:
+        for s, c in ((waiting, ch), (busy, ch2)):
+            s.close()
+            c.close()
+    assert_healthy_and_serving(server, fingerprint, prompts[0])
+
+
+# -- bad input --------------------------------------------------------------------------------
+def chain_msg(root: int, drafts: list[int], step: int = 0, **kw) -> pb.EdgeMessage:
+    return wire.verify_message(TokenTree.chain(root, drafts), GREEDY, step, **kw)
+
+
+def tree_msg(tokens: bytes, parents: bytes, k: int = 0, q_tokens: bytes = b"", q_weights: bytes = b"",
+             sampling: pb.SamplingParams | None = None) -> pb.EdgeMessage:
+    return pb.EdgeMessage(verify=pb.Verify(step=0, sampling=sampling or pb.SamplingParams(), tree=pb.TokenTree(
+        tokens=tokens, parents=parents, k=k, q_tokens=q_tokens, q_weights=q_weights)))
+
+
+P = wire.pack_i32
+# (name, open?, sync?, message given the last prompt token, status code, detail substring, error class)
+BAD = [
+    ("verify before open", False, False, lambda r: chain_msg(r, []), C.FAILED_PRECONDITION, "before Open", "ProtocolError"),
+    ("sync before open", False, False, lambda r: wire.sync_message([1, 2]), C.FAILED_PRECONDITION, "before Open", None),
+    ("verify before sync", True, False, lambda r: chain_msg(r, []), C.FAILED_PRECONDITION, "before Sync", None),
+    ("second open", True, False, lambda r: wire.open_message("test", "x"), C.FAILED_PRECONDITION, "already", None),
+    ("empty message", True, True, lambda r: pb.EdgeMessage(), C.INVALID_ARGUMENT, "none of", "WireFormatError"),
+    ("tree too large", True, True, lambda r: chain_msg(r, [5] * 128), C.RESOURCE_EXHAUSTED, "129 nodes",
+     "TreeTooLargeError"),
+    ("tree too deep", True, True, lambda r: chain_msg(r, list(range(10, 50))), C.RESOURCE_EXHAUSTED, "depth 40", None),
+    ("odd token bytes", True, True, lambda r: tree_msg(P([r]) + b"\x00", P([-1])), C.INVALID_ARGUMENT, "int32", None),
+    ("parents length", True, True, lambda r: tree_msg(P([r, 5]), P([-1])), C.INVALID_ARGUMENT, "tree.parents", None),
+    ("orphan node", True, True, lambda r: tree_msg(P([r, 5, 6]), P([-1, 2, 0])), C.INVALID_ARGUMENT,
+     "parents must precede", "InvalidTreeError"),
+    ("token out of vocab", True, True, lambda r: chain_msg(r, [49152]), C.INVALID_ARGUMENT, "outside the vocabulary",
+     None),
+    ("negative token", True, True, lambda r: chain_msg(r, [-7]), C.INVALID_ARGUMENT, "outside the vocabulary", None),
+    ("wrong root", True, True, lambda r: chain_msg(r + 1, [5]), C.INVALID_ARGUMENT, "last committed", None),
+    ("sampled without q", True, True, lambda r: tree_msg(P([r, 5]), P([-1, 0]),
+                                                          sampling=pb.SamplingParams(temperature=0.8, top_p=1)),
+     C.INVALID_ARGUMENT, "draft distribution", None),
+    ("bad sampling", True, True, lambda r: tree_msg(P([r]), P([-1]), sampling=pb.SamplingParams(top_p=1.5)),
+     C.INVALID_ARGUMENT, "top_p", None),
+    ("q length", True, True, lambda r: tree_msg(P([r]), P([-1]), k=2, q_tokens=P([1, 2]), q_weights=b"\x01\x00"),
+     C.INVALID_ARGUMENT, "q_weights", None),
+    ("k over limit", True, True, lambda r: tree_msg(P([r]), P([-1]), k=65, q_tokens=P([1] * 65),
+                                                    q_weights=b"\x01\x00" * 65), C.RESOURCE_EXHAUSTED, "k = 65", None),
+    ("sync empty", True, False, lambda r: wire.sync_message([]), C.INVALID_ARGUMENT, "no tokens", None),
+    ("sync out of vocab", True, False, lambda r: wire.sync_message([1, 99999]), C.INVALID_ARGUMENT, "vocabulary", None),
+    ("sync over n_ctx", True, False, lambda r: wire.sync_message([1] * (N_CTX + 1)), C.RESOURCE_EXHAUSTED, "n_ctx",
+     "ContextOverflowError"),
+    ("sync near n_ctx", True, False, lambda r: wire.sync_message([1] * (N_CTX - 10)), C.RESOURCE_EXHAUSTED,
+     "does not fit", "ContextOverflowError"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_its_status_and_the_server_carries_on(server, fingerprint, prompts, case):
+    name, do_open, do_sync, make, code, match, cls = case
+    ch = server.channel()
+    s = RawStream(ch)
+    try:
+        if do_open:
+            assert s.ask(wire.open_message("test", fingerprint)).WhichOneof("kind") == "opened"
+        if do_sync:
+            assert s.ask(wire.sync_message(prompts[0])).synced.n_tokens == len(prompts[0])
+        err = expect_error(s.ask(make(prompts[0][-1])), code, match)
+        if cls:
+            assert error_class(err) == cls
+    finally:
+        s.close()
+        ch.close()
+    assert_healthy_and_serving(server, fingerprint, prompts[1])
+
+
+@pytest.mark.parametrize("model_id,hash_,code,match", [
+    ("test", "0" * 64, C.FAILED_PRECONDITION, "tokenizer"),
+    ("test", "", C.FAILED_PRECONDITION, "tokenizer_hash is required"),
+    ("no-such-model", None, C.NOT_FOUND, "not served here"),
+    ("qwen2.5-coder-1.5b-instruct", None, C.NOT_FOUND, "not served here"),
+])
+def test_bad_open(server, fingerprint, prompts, model_id, hash_, code, match):
+    ch = server.channel()
+    s = RawStream(ch)
+    expect_error(s.ask(wire.open_message(model_id, fingerprint if hash_ is None else hash_)), code, match)
+    ch.close()
+    assert_healthy_and_serving(server, fingerprint, prompts[0])
+
+
+def test_bad_protocol_version(server, fingerprint):
+    ch = server.channel()
+    msg = wire.open_message("test", fingerprint)
+    msg.open.protocol_version = 2
+    expect_error(RawStream(ch).ask(msg), C.FAILED_PRECONDITION, "protocol version 2")
+    ch.close()
+
+
+def test_link_raises_edgespec_errors(server, fingerprint, prompts, smol_path, qwen_paths):
+    with pytest.raises(TokenizerMismatchError, match="tokenizer"):
+        RemoteVerifier(server.address, TOKEN, tokenizer_hash="f" * 64)
+    with pytest.raises(ModelError, match="not served"):
+        RemoteVerifier(server.address, TOKEN, tokenizer_hash=fingerprint, model_id="no-such-model")
+    with pytest.raises(TokenizerMismatchError):  # a Qwen draft against the SmolLM2 server
+        EdgeSession(qwen_paths[0], smol_path, verifier=server.address, token=TOKEN)
+    with RemoteVerifier(server.address, TOKEN, tokenizer_hash=fingerprint, model_id="test") as link:
+        link.sync(prompts[0])
+        with pytest.raises(InvalidTreeError, match="outside the vocabulary"):
+            link.verify(TokenTree.chain(prompts[0][-1], [10**6]), GREEDY, 0)
+        # the broken stream is reopened (Open + Sync) transparently on the next call
+        result = link.verify(TokenTree.chain(prompts[0][-1], []), GREEDY, 0)
+        assert len(result.tokens) == 1 and link.link_stats.reconnects == 1
+        with pytest.raises(ContextOverflowError):
+            link.sync([1] * (N_CTX + 5))
+
+
+def test_context_overflow_while_generating(small_server, fingerprint, smol_path):
+    """n_ctx 256: a session that keeps verifying eventually overflows: RESOURCE_EXHAUSTED."""
+    rng = np.random.default_rng(1)
+    committed = rng.integers(100, 40000, 200).tolist()
+    with RemoteVerifier(small_server.address, tokenizer_hash=fingerprint) as link:
+        link.sync(committed)
+        with pytest.raises(ContextOverflowError, match="full"):
+            for step in range(100):
+                result = link.verify(TokenTree.chain(link.committed[-1], []), GREEDY, step)
+                assert len(result.tokens) == 1
+        assert 250 <= len(link.committed) <= 257
+
+
+# -- auth and TLS -----------------------------------------------------------------------------
+@pytest.mark.parametrize("token", [None, "wrong-token", TOKEN + "x", ""])
+def test_wrong_or_missing_token(server, fingerprint, prompts, token):
+    ch = server.channel(token=token or None) if token != "" else server.channel(token=None)
+    from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
+
+    with pytest.raises(grpc.RpcError) as info:
+        pb_grpc.VerifierStub(ch).Info(pb.InfoRequest(), timeout=10)
+    assert info.value.code() == C.UNAUTHENTICATED
+    expect_error(RawStream(ch).ask(wire.open_message("test", fingerprint)), C.UNAUTHENTICATED)
+    ch.close()
+    with pytest.raises(wire.UnauthenticatedError) as info:
+        RemoteVerifier(server.address, token or None, tokenizer_hash=fingerprint)
+    assert isinstance(info.value, VerifierUnavailableError)
+    assert_healthy_and_serving(server, fingerprint, prompts[0])
+
+
+def test_tls(tmp_path, smol_path, fingerprint, prompts, reference):
+    ca, cert, key = make_tls_files(tmp_path)
+    srv = ServerProcess(smol_path, "--n-ctx", str(N_CTX), "--tls-cert", str(cert), "--tls-key", str(key), token=TOKEN)
+    try:
+        host_port = f"localhost:{srv.port}"
+        with EdgeSession(smol_path, smol_path, verifier=host_port, token=TOKEN, tls=str(ca), n_ctx=N_CTX) as s:
+            assert generate(s, prompts[0], 16) == reference[0][:16]
+        with RemoteVerifier(f"127.0.0.1:{srv.port}", TOKEN, str(ca), tokenizer_hash=fingerprint) as link:
+            link.sync(prompts[0])  # IP SAN
+        with pytest.raises(VerifierUnavailableError):  # plain text against a TLS port
+            RemoteVerifier(host_port, TOKEN, None, tokenizer_hash=fingerprint, timeout_s=5)
+        (tmp_path / "other").mkdir()
+        other_ca, _, _ = make_tls_files(tmp_path / "other")
+        with pytest.raises(VerifierUnavailableError):  # a CA that did not sign the server's certificate
+            RemoteVerifier(host_port, TOKEN, str(other_ca), tokenizer_hash=fingerprint, timeout_s=5)
+        with pytest.raises(wire.UnauthenticatedError):  # TLS does not replace the token
+            RemoteVerifier(host_port, "nope", str(ca), tokenizer_hash=fingerprint, timeout_s=5)
+    finally:
+        assert srv.stop() == 0
+
+
+# -- the embedded verifier --------------------------------------------------------------------
+def test_embedded_verifier_is_the_default(smol_path, prompts, reference):
+    session = EdgeSession(smol_path, smol_path, n_ctx=N_CTX)
+    child = session._embedded
+    try:
+        assert child is not None and child.running
+        assert child.address.startswith("127.0.0.1:")
+        assert generate(session, prompts[2]) == reference[2]
+        assert session.stats.link.steps > 0
+    finally:
+        session.close()
+    assert not child.running and child.proc.returncode == 0
+
+
+def test_embedded_verifier_reports_startup_failure(tmp_path):
+    from edgespec.edge.embedded import EmbeddedVerifier
+
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(VerifierUnavailableError, match="exited with code"):
+        EmbeddedVerifier(bad, startup_timeout_s=60)

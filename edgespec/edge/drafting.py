@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -57,12 +58,32 @@ class _Node:
     q_weights: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint16))
 
 
+def best_nodes(scores: np.ndarray | list[float], n: int) -> list[int]:
+    """Indices (ascending, root 0 always kept) of the n best non-root nodes by (score desc, index).
+
+    Scores never increase from parent to child nor along a node's draw order, and parents have
+    smaller indices, so the result is always a valid tree with prefix-closed sibling sets.
+    """
+    ranked = sorted(range(1, len(scores)), key=lambda i: (-scores[i], i))[:n]
+    return [0, *sorted(ranked)]
+
+
 @dataclass
 class Draft:
     tree: TokenTree
     node_seq: list[int]      # per tree node, the draft KV sequence holding it (-1: not decoded)
-    seconds: float
-    decodes: int
+    scores: np.ndarray       # per tree node, the draft's path probability (root 1)
+    seconds: float = 0.0
+    decodes: int = 0
+
+    def pruned(self, n: int) -> "Draft":
+        """The same draft cut to its n best nodes (for a smaller step than was drafted)."""
+        keep = best_nodes(self.scores, n)
+        index = {old: new for new, old in enumerate(keep)}
+        t = self.tree
+        tree = TokenTree(tokens=t.tokens[keep], parents=np.array([index.get(int(t.parents[i]), -1) for i in keep]),
+                         q_tokens=t.q_tokens[keep], q_weights=t.q_weights[keep])
+        return Draft(tree, [self.node_seq[i] for i in keep], self.scores[keep], self.seconds, self.decodes)
 
 
 class Drafter:
@@ -71,18 +92,25 @@ class Drafter:
     def __init__(self, model: LlamaModel, config: ContextConfig = ContextConfig()) -> None:
         self.model = model
         self.ctx = TreeContext(model, config)
-        self._last: Draft | None = None
 
     def close(self) -> None:
         self.ctx.close()
 
-    def grow(self, committed: list[int], shape: TreeShape, sampling: SamplingParams, step: int) -> Draft:
+    def predict_next(self, committed: list[int]) -> int:
+        """The draft's most probable next token after `committed` (a guess of the target's)."""
+        return int(np.argmax(self.ctx.sync(committed)))
+
+    def grow(self, committed: list[int], shape: TreeShape, sampling: SamplingParams, step: int,
+             stop: Callable[[], bool] | None = None) -> Draft:
+        """Draft a tree rooted at committed[-1]; `stop()` returning True ends growth early."""
         started = time.perf_counter()
         root_logits = self.ctx.sync(committed)
         nodes = [_Node(token=committed[-1], parent=-1, depth=0, score=1.0, seq=0)]
         frontier = self._expand(nodes, 0, root_logits, shape, sampling, step)
         decodes, next_seq = 1, 1
         for depth in range(1, shape.max_depth):
+            if stop is not None and stop():
+                break
             cutoff = self._cutoff(nodes, shape.budget)
             candidates = [i for i in frontier if nodes[i].score >= max(cutoff, shape.min_prob)
                           and not self.model.is_end_of_generation(nodes[i].token)]
@@ -100,12 +128,10 @@ class Drafter:
             next_seq += len(pick)
         draft = self._select(nodes, shape.budget, sampling.greedy)
         draft.seconds, draft.decodes = time.perf_counter() - started, decodes
-        self._last = draft
         return draft
 
-    def accept(self, path: list[int], committed: list[int]) -> None:
+    def accept(self, draft: Draft | None, path: list[int]) -> None:
         """Keep the KV of the longest decoded accepted prefix; the rest is re-ingested lazily."""
-        draft, self._last = self._last, None
         decoded = [n for n in path if draft is not None and draft.node_seq[n] >= 0]
         if draft is None or not decoded or decoded[-1] != path[len(decoded) - 1]:
             self.ctx.drop_branches()
@@ -145,8 +171,7 @@ class Drafter:
 
     @staticmethod
     def _select(nodes: list[_Node], budget: int, greedy: bool) -> Draft:
-        keep = sorted(sorted(range(1, len(nodes)), key=lambda i: (-nodes[i].score, i))[:budget])
-        keep = [0, *keep]
+        keep = best_nodes([n.score for n in nodes], budget)
         new_index = {old: new for new, old in enumerate(keep)}
         k = 0 if greedy else max((nodes[i].q_tokens.size for i in keep), default=0)
         q_tokens = np.full((len(keep), k), -1, np.int32)
@@ -158,4 +183,4 @@ class Drafter:
         tree = TokenTree(tokens=np.array([nodes[i].token for i in keep], np.int32),
                          parents=np.array([new_index.get(nodes[i].parent, -1) for i in keep], np.int32),
                          q_tokens=q_tokens, q_weights=q_weights)
-        return Draft(tree=tree, node_seq=[nodes[i].seq for i in keep], seconds=0.0, decodes=0)
+        return Draft(tree=tree, node_seq=[nodes[i].seq for i in keep], scores=np.array([nodes[i].score for i in keep]))

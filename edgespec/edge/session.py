@@ -7,58 +7,18 @@ llama.cpp target (local mode) or the gRPC link to a verifier service.
 from __future__ import annotations
 
 import os
-import time
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Iterator, Sequence
 
 from edgespec.common import modelstore
 from edgespec.common.errors import InvalidRequestError, TokenizerMismatchError
 from edgespec.common.sampling import SamplingParams
-from edgespec.common.tree import TokenTree
+from edgespec.edge.decoder import Decoder, SessionStats, Verifier
 from edgespec.edge.drafting import Drafter, TreeShape
+from edgespec.edge.planner import LADDER
 from edgespec.runtime.llama import ContextConfig, LlamaModel, TextStream
-from edgespec.runtime.tree_verifier import LlamaTreeVerifier, VerifyResult
+from edgespec.runtime.tree_verifier import LlamaTreeVerifier
 
 Messages = str | Sequence[dict[str, str]]
-
-
-class Verifier(Protocol):
-    def sync(self, committed: list[int]) -> None: ...
-    def verify(self, tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult: ...
-    def close(self) -> None: ...
-
-
-@dataclass
-class SessionStats:
-    """Cumulative over the session. τ counts the target's own token (EAGLE convention)."""
-
-    tokens: int = 0
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    seconds: float = 0.0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
-    link: Any = None  # edgespec.edge.link.LinkStats when verifying over gRPC (None in local mode)
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens committed per target step (accepted drafts + 1)."""
-        return self.tokens / self.steps if self.steps else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted drafted tokens / drafted nodes (for trees this falls with width by design)."""
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-    def summary(self) -> str:
-        return (f"{self.tokens} tokens in {self.seconds:.2f} s ({self.tokens_per_second:.2f} tok/s), "
-                f"{self.steps} target steps, tau {self.tau:.2f}, acceptance {self.acceptance_rate:.2f}")
 
 
 class EdgeSession:
@@ -66,7 +26,7 @@ class EdgeSession:
 
     def __init__(self, draft: str | os.PathLike = "draft", target: str | os.PathLike = "target", *,
                  verifier: str | Verifier | None = None, token: str | None = None, tls: None | bool | str = None,
-                 local: bool = False, tree: TreeShape = TreeShape(), n_ctx: int = 4096) -> None:
+                 local: bool = False, tree: TreeShape | None = None, n_ctx: int = 4096) -> None:
         """Draft with `draft`; verify against `target` (manifest names, role aliases or GGUF paths).
 
         Where verification runs:
@@ -80,8 +40,8 @@ class EdgeSession:
         if local and verifier is not None:
             raise InvalidRequestError("local=True and verifier=... exclude each other")
         self.draft_model = LlamaModel(modelstore.resolve(draft))
-        self.tree_shape = tree
-        config = ContextConfig(n_ctx=n_ctx, max_tree_nodes=max(tree.width * tree.max_depth, tree.budget) + 1)
+        shapes = LADDER if tree is None else (tree,)
+        config = ContextConfig(n_ctx=n_ctx, max_tree_nodes=max(max(s.width * s.max_depth, s.budget) for s in shapes) + 1)
         self.stats = SessionStats()
         self.target_model: LlamaModel | None = None
         self._embedded = None
@@ -100,8 +60,8 @@ class EdgeSession:
                 from edgespec.edge.embedded import EmbeddedVerifier
 
                 self._embedded = EmbeddedVerifier(modelstore.resolve(target), n_ctx=n_ctx,
-                                                  max_nodes=min(255, max(128, tree.budget + 1)),
-                                                  max_depth=max(32, tree.max_depth))
+                                                  max_nodes=min(255, max(128, config.max_tree_nodes)),
+                                                  max_depth=max(32, *(s.max_depth for s in shapes)))
                 address, token, tls = self._embedded.address, self._embedded.token, None
             try:
                 verifier = RemoteVerifier(address, token or os.environ.get("EDGESPEC_TOKEN"), tls,
@@ -114,9 +74,21 @@ class EdgeSession:
             self.stats.link = verifier.link_stats
         self.verifier = verifier
         self.drafter = Drafter(self.draft_model, config)
+        self.decoder = Decoder(self.drafter, verifier, self.stats, tree, self.draft_model.is_end_of_generation,
+                               pipelined=not local)
+
+    @property
+    def tree_shape(self) -> TreeShape | None:
+        """The fixed tree shape, or None when the planner sizes each tree from the cost model."""
+        return self.decoder.shape
+
+    @tree_shape.setter
+    def tree_shape(self, shape: TreeShape) -> None:
+        self.decoder.shape, self.decoder.planner = shape, None
 
     def close(self) -> None:
         try:
+            self.decoder.close()
             self.verifier.close()
             self.drafter.close()
         finally:
@@ -144,36 +116,8 @@ class EdgeSession:
         return chunks if stream else "".join(chunks)
 
     def generate_tokens(self, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> Iterator[list[int]]:
-        """The decode loop; yields the tokens committed by each target step (EOS excluded)."""
-        committed = list(prompt)
-        self.verifier.sync(committed)
-        produced = 0
-        for step in range(max_tokens):
-            started = time.perf_counter()
-            if self.tree_shape.budget:
-                tree = self.drafter.grow(committed, self.tree_shape, sampling, step).tree
-            else:  # target-only decoding (the baseline): a root-only tree, one token per step
-                tree = TokenTree.chain(committed[-1], [])
-            verify_started = time.perf_counter()
-            result = self.verifier.verify(tree, sampling, step)
-            self.drafter.accept(result.path, committed)
-            new = result.tokens[: max_tokens - produced]
-            end = next((i for i, t in enumerate(new) if self.draft_model.is_end_of_generation(t)), None)
-            committed.extend(new)
-            emitted = new if end is None else new[:end]
-            produced += len(emitted)
-            s = self.stats
-            s.steps += 1
-            s.tokens += len(emitted)
-            s.drafted += len(tree) - 1
-            s.accepted += len(result.path)
-            s.draft_seconds += verify_started - started
-            s.verify_seconds += time.perf_counter() - verify_started
-            s.seconds += time.perf_counter() - started
-            if emitted:
-                yield emitted
-            if end is not None or produced >= max_tokens:
-                return
+        """The decode loop (edge/decoder.py); yields the tokens committed by each target step."""
+        return self.decoder.run(prompt, max_tokens, sampling)
 
     def _stream_text(self, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> Iterator[str]:
         text = TextStream(self.draft_model)

@@ -1,0 +1,176 @@
+"""The speculative decode loop: draft a tree, have it verified, commit what the verifier returns.
+
+With a remote verifier the loop is pipelined (double buffering): while a tree is in flight, the
+drafter assumes the tree's most probable path will be accepted, predicts the target's next token
+with the draft model, and drafts the following tree from there. If the verifier's answer matches
+that guess, the prepared tree goes out at once; otherwise the drafter's KV cache keeps whatever
+prefix is still valid (TreeContext.sync) and drafting resumes from the real context.
+
+Only the verifier's answers are ever committed, so whatever the drafter guesses, output is the
+verifier's output: no token is lost or duplicated by the pipelining.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Protocol
+
+import numpy as np
+
+from edgespec.common.sampling import SamplingParams
+from edgespec.common.tree import TokenTree
+from edgespec.edge.drafting import Draft, Drafter, TreeShape
+from edgespec.edge.planner import Planner, StepObservation
+from edgespec.runtime.tree_verifier import VerifyResult
+
+
+class Verifier(Protocol):
+    def sync(self, committed: list[int]) -> None: ...
+    def verify(self, tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class SessionStats:
+    """Cumulative over the session. τ counts the target's own token (EAGLE convention)."""
+
+    tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    seconds: float = 0.0
+    draft_seconds: float = 0.0       # drafting on the critical path (not overlapped with verification)
+    verify_seconds: float = 0.0      # waiting for the verifier (round trip, queue, compute)
+    prepared_hits: int = 0           # steps whose tree was drafted while the previous one was in flight
+    extra: dict = field(default_factory=dict)
+    link: Any = None  # edgespec.edge.link.LinkStats when verifying over gRPC (None in local mode)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per target step (accepted drafts + 1)."""
+        return self.tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafted tokens / drafted nodes (for trees this falls with width by design)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> str:
+        return (f"{self.tokens} tokens in {self.seconds:.2f} s ({self.tokens_per_second:.2f} tok/s), "
+                f"{self.steps} target steps, tau {self.tau:.2f}, acceptance {self.acceptance_rate:.2f}")
+
+
+@dataclass
+class _Prepared:
+    context: list[int]   # the committed context this draft assumes
+    draft: Draft
+
+
+class Decoder:
+    """Runs the loop for one EdgeSession. `shape=None` lets the planner size every tree."""
+
+    def __init__(self, drafter: Drafter, verifier: Verifier, stats: SessionStats, shape: TreeShape | None,
+                 is_end: Callable[[int], bool], pipelined: bool) -> None:
+        self.drafter, self.verifier, self.stats = drafter, verifier, stats
+        self.shape = shape
+        self.planner = Planner() if shape is None else None
+        self.is_end = is_end
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="edgespec-verify") if pipelined else None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def run(self, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> Iterator[list[int]]:
+        """Yields the tokens committed by each target step (end-of-generation token excluded)."""
+        committed = list(prompt)
+        self.verifier.sync(committed)
+        produced, step, prepared = 0, 0, None
+        while produced < max_tokens:
+            started = time.perf_counter()
+            if prepared is not None and prepared.context == committed:
+                draft = prepared.draft
+                self.stats.prepared_hits += 1
+            else:
+                draft = self._draft(committed, sampling, step)
+            sent = time.perf_counter()
+            if self._pool is not None and len(draft.tree) > 1:
+                future = self._pool.submit(self.verifier.verify, draft.tree, sampling, step)
+                prepared = self._draft_ahead(committed, draft, sampling, step + 1, future.done)
+                result = future.result()
+            else:
+                result = self.verifier.verify(draft.tree, sampling, step)
+                prepared = None
+                if len(draft.tree) > 1:
+                    self.drafter.accept(draft, result.path)
+            answered = time.perf_counter()
+
+            new = result.tokens[: max_tokens - produced]
+            end = next((i for i, t in enumerate(new) if self.is_end(t)), None)
+            committed.extend(new)
+            emitted = new if end is None else new[:end]
+            produced += len(emitted)
+            self._record(draft, result, emitted, started, sent, answered)
+            step += 1
+            if emitted:
+                yield emitted
+            if end is not None:
+                return
+
+    # -- drafting -----------------------------------------------------------------------------
+    def _draft(self, committed: list[int], sampling: SamplingParams, step: int,
+               stop: Callable[[], bool] | None = None) -> Draft:
+        shape = self.planner.choose() if self.planner else self.shape
+        if shape.budget == 0:  # target-only decoding (the baseline): one token per step
+            return Draft(TokenTree.chain(committed[-1], []), [0], np.ones(1))
+        draft = self.drafter.grow(committed, shape, sampling, step, stop=stop)
+        if self.planner:
+            q_per_node = float(draft.tree.q_tokens.shape[1])
+            draft = draft.pruned(self.planner.prune_size(draft.scores[1:], draft.decodes, q_per_node))
+        return draft
+
+    def _draft_ahead(self, committed: list[int], draft: Draft, sampling: SamplingParams, step: int,
+                     stop: Callable[[], bool]) -> _Prepared | None:
+        """Draft the next tree assuming the in-flight tree's most probable path is accepted."""
+        path = main_path(draft)
+        self.drafter.accept(draft, path)
+        guess = committed + draft.tree.tokens[path].tolist()
+        guess.append(self.drafter.predict_next(guess))
+        if stop():
+            return None
+        return _Prepared(guess, self._draft(guess, sampling, step, stop=stop))
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def _record(self, draft: Draft, result: VerifyResult, emitted: list[int], started: float, sent: float,
+                answered: float) -> None:
+        s = self.stats
+        s.steps += 1
+        s.tokens += len(emitted)
+        s.drafted += len(draft.tree) - 1
+        s.accepted += len(result.path)
+        s.draft_seconds += sent - started
+        s.verify_seconds += answered - sent
+        s.seconds += answered - started
+        if self.planner is not None and len(draft.tree) > 1:
+            accepted = np.zeros(len(draft.tree) - 1, bool)
+            accepted[np.array(result.path, int) - 1] = True
+            self.planner.observe(StepObservation(
+                nodes=len(draft.tree) - 1, draft_s=draft.seconds, draft_decodes=draft.decodes,
+                network_s=result.network_s, bytes_up=result.bytes_up, verify_s=result.compute_s,
+                queue_s=result.queue_s, scores=draft.scores[1:], accepted=accepted))
+            s.extra["planner"] = self.planner.snapshot()
+
+
+def main_path(draft: Draft) -> list[int]:
+    """Nodes from the root following, at each node, the child with the highest draft score."""
+    kids = draft.tree.children()
+    path, node = [], 0
+    while kids[node]:
+        node = max(kids[node], key=lambda c: (draft.scores[c], -c))
+        path.append(node)
+    return path

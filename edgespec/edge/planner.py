@@ -1,0 +1,155 @@
+"""Choose each step's tree from a cost model: maximise expected tokens per second of wall time.
+
+Inputs, all measured from the traffic itself and refreshed every step:
+- link: round-trip time and uplink bandwidth, fitted as network_s = rtt + bytes_up / bandwidth
+  over recent steps (network_s = wall time of the Verify minus the server's queue + compute);
+- verifier: compute time as a line in the number of tree nodes, plus its reported queue time
+  (load: when requests queue, every extra node costs other users too, so nodes get dearer);
+- draft: seconds per drafting decode (one decode per depth);
+- acceptance: the probability that a drafted node ends up on the accepted path, as a function
+  of the draft's own path probability, calibrated online per score bin (EAGLE-2/Sequoia idea).
+
+Drafting uses the shape the planner picks; afterwards `prune` keeps the best-scoring prefix of
+nodes whose size maximises (1 + expected accepted) / predicted step time.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgespec.edge.drafting import TreeShape
+
+# Candidate shapes, from a short chain to a wide tree; the planner picks one each step.
+LADDER: tuple[TreeShape, ...] = (
+    TreeShape.chain(2), TreeShape.chain(4),
+    TreeShape(budget=8, max_depth=5, top_k=2, width=2),
+    TreeShape(budget=16, max_depth=6, top_k=4, width=4),
+    TreeShape(budget=32, max_depth=8, top_k=4, width=6),
+    TreeShape(budget=64, max_depth=10, top_k=6, width=8),
+)
+BYTES_PER_NODE = 12        # tokens + parents (int32) and a little framing, greedy trees
+BYTES_PER_Q_ENTRY = 6      # token (int32) + weight (uint16), sampled trees
+SCORE_BINS = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.01])
+
+
+@dataclass
+class StepObservation:
+    """What one verified step tells the planner (seconds and bytes)."""
+
+    nodes: int                 # drafted nodes (root excluded)
+    draft_s: float
+    draft_decodes: int
+    network_s: float           # wall - server queue - server compute (0 when local)
+    bytes_up: int
+    verify_s: float            # server compute
+    queue_s: float
+    scores: np.ndarray         # draft path probability of each drafted node
+    accepted: np.ndarray       # bool per drafted node: on the accepted path
+
+
+class _LineFit:
+    """y = a + b·x over a window of recent points (least squares, b clamped at >= 0)."""
+
+    def __init__(self, window: int = 64, a: float = 0.0, b: float = 0.0) -> None:
+        self.points: deque[tuple[float, float]] = deque(maxlen=window)
+        self.a, self.b = a, b
+
+    def add(self, x: float, y: float) -> None:
+        self.points.append((x, y))
+        xs, ys = np.array(self.points).T
+        if len(self.points) >= 3 and np.ptp(xs) > 0:
+            b, a = np.polyfit(xs, ys, 1)
+            self.b = max(float(b), 0.0)
+            self.a = float(np.mean(ys) - self.b * np.mean(xs))
+        else:
+            self.a, self.b = float(np.mean(ys) - self.b * np.mean(xs)), self.b
+
+    def __call__(self, x: float) -> float:
+        return max(self.a + self.b * x, 0.0)
+
+
+@dataclass
+class Planner:
+    """Per-session cost model and tree chooser (see module docstring)."""
+
+    ladder: tuple[TreeShape, ...] = LADDER
+    explore_every: int = 16
+    network: _LineFit = field(default_factory=lambda: _LineFit(a=0.0, b=1 / 12.5e6))   # 100 Mbit/s prior
+    verify: _LineFit = field(default_factory=lambda: _LineFit(a=0.02, b=0.004))
+    draft_per_decode_s: float = 0.03
+    queue_s: float = 0.0
+    hits: np.ndarray = field(default_factory=lambda: np.ones(len(SCORE_BINS) - 1))
+    trials: np.ndarray = field(default_factory=lambda: np.ones(len(SCORE_BINS) - 1) * 2)
+    steps: int = 0
+    last_choice: int = 3
+
+    # -- learning -----------------------------------------------------------------------------
+    def observe(self, obs: StepObservation) -> None:
+        self.steps += 1
+        self.network.add(obs.bytes_up, obs.network_s)
+        self.verify.add(obs.nodes + 1, obs.verify_s)
+        self.queue_s = 0.8 * self.queue_s + 0.2 * obs.queue_s
+        if obs.draft_decodes:
+            self.draft_per_decode_s = 0.8 * self.draft_per_decode_s + 0.2 * obs.draft_s / obs.draft_decodes
+        bins = np.clip(np.digitize(obs.scores, SCORE_BINS) - 1, 0, len(self.hits) - 1)
+        np.add.at(self.trials, bins, 1.0)
+        np.add.at(self.hits, bins, obs.accepted.astype(float))
+
+    def acceptance(self, scores: np.ndarray) -> np.ndarray:
+        """Calibrated probability that nodes with these draft path probabilities get accepted."""
+        bins = np.clip(np.digitize(scores, SCORE_BINS) - 1, 0, len(self.hits) - 1)
+        return (self.hits / self.trials)[bins]
+
+    # -- predictions --------------------------------------------------------------------------
+    @property
+    def load_factor(self) -> float:
+        """>1 when the verifier queues requests: nodes then cost other sessions too."""
+        per_step = self.verify(17)
+        return 1.0 + (self.queue_s / per_step if per_step > 0 else 0.0)
+
+    def step_seconds(self, nodes: int, decodes: int, q_entries: int = 0) -> float:
+        up = nodes * BYTES_PER_NODE + q_entries * BYTES_PER_Q_ENTRY
+        verify = self.verify.a + self.verify.b * (nodes + 1) * self.load_factor
+        return decodes * self.draft_per_decode_s + self.network(up) + self.queue_s + verify
+
+    def expected_tokens(self, shape: TreeShape) -> float:
+        """1 + expected accepted drafts for a shape, from the calibrated acceptance of a typical
+        tree: depth d of a chain is accepted with prob a^d, a = acceptance at the top bins."""
+        if shape.budget == 0:
+            return 1.0
+        a = float(self.acceptance(np.array([0.9]))[0])
+        per_depth = shape.budget / shape.max_depth
+        # extra siblings raise the chance that some child is accepted at each depth
+        a_eff = 1 - (1 - a) * (1 - float(self.acceptance(np.array([0.1]))[0])) ** max(per_depth - 1, 0)
+        return 1 + sum(a_eff ** d for d in range(1, shape.max_depth + 1))
+
+    # -- decisions ----------------------------------------------------------------------------
+    def choose(self) -> TreeShape:
+        """The ladder shape with the best predicted tokens/second (with periodic exploration)."""
+        rates = [self.expected_tokens(s) / self.step_seconds(s.budget, s.max_depth) for s in self.ladder]
+        best = int(np.argmax(rates))
+        if self.steps and self.steps % self.explore_every == 0:
+            best = min(len(self.ladder) - 1, best + 1) if self.steps % (2 * self.explore_every) else max(0, best - 1)
+        self.last_choice = best
+        return self.ladder[best]
+
+    def prune_size(self, scores: np.ndarray, decodes: int, q_entries_per_node: float = 0.0) -> int:
+        """How many of the best-scoring nodes to send: argmax of expected tokens per second."""
+        order = np.sort(scores)[::-1]
+        gain = 1 + np.concatenate([[0.0], np.cumsum(self.acceptance(order))])
+        sizes = np.arange(order.size + 1)
+        seconds = np.array([self.step_seconds(int(n), decodes, int(n * q_entries_per_node)) for n in sizes])
+        return int(sizes[np.argmax(gain / seconds)])
+
+    def snapshot(self) -> dict:
+        """The model and its inputs, for `stats` (milliseconds, Mbit/s)."""
+        bw = 8 / self.network.b / 1e6 if self.network.b > 0 else math.inf
+        return {"rtt_ms": 1000 * self.network.a, "uplink_mbit_s": bw,
+                "verify_ms_fixed": 1000 * self.verify.a, "verify_ms_per_node": 1000 * self.verify.b,
+                "verifier_queue_ms": 1000 * self.queue_s, "load_factor": self.load_factor,
+                "draft_ms_per_decode": 1000 * self.draft_per_decode_s,
+                "acceptance_by_score_bin": (self.hits / self.trials).round(3).tolist(),
+                "shape": self.ladder[self.last_choice].__dict__, "steps": self.steps}

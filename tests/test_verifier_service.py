@@ -23,10 +23,14 @@ from edgespec.common.errors import (ContextOverflowError, InvalidTreeError, Mode
 from edgespec.common.sampling import SamplingParams
 from edgespec.common.tree import TokenTree
 from edgespec.edge.link import RemoteVerifier
+from edgespec.runtime.llama import ContextConfig
+from edgespec.runtime.tree_verifier import LlamaTreeVerifier
 from edgespec.v1 import edgespec_pb2 as pb
 from grpc_helpers import RawStream, ServerProcess, error_class, make_tls_files
 
 TOKEN = "test-token-0123456789"
+SHAPE = TreeShape()  # fixed tree shape on both sides (no cost-model planning: keeps runs comparable)
+NEAR_TIE = 0.5
 N_CTX = 1024
 PROMPTS = ["Write a Python function that adds two numbers.", "What is the capital of France? Answer briefly.",
            "List three fruits.", "Explain recursion in one sentence."]
@@ -56,7 +60,7 @@ def small_server(smol_path):
 
 @pytest.fixture(scope="module")
 def local_session(smol_path):
-    with EdgeSession(smol_path, smol_path, local=True, n_ctx=N_CTX) as s:
+    with EdgeSession(smol_path, smol_path, local=True, n_ctx=N_CTX, tree=SHAPE) as s:
         yield s
 
 
@@ -81,7 +85,35 @@ def generate(session: EdgeSession, prompt: list[int], n: int = MAX_TOKENS) -> li
 
 
 def remote_session(srv: ServerProcess, smol_path, **kw) -> EdgeSession:
+    kw.setdefault("tree", SHAPE)
     return EdgeSession(smol_path, smol_path, verifier=srv.address, token=srv.token, n_ctx=N_CTX, **kw)
+
+
+def target_margin(model, context: list[int]) -> float:
+    """The target's top-2 logit gap after `context` (VerifyResult.margins of a root-only tree)."""
+    verifier = LlamaTreeVerifier(model, ContextConfig(n_ctx=N_CTX))
+    try:
+        verifier.sync(context)
+        return verifier.verify(TokenTree.chain(context[-1], []), GREEDY, 0).margins[0]
+    finally:
+        verifier.close()
+
+
+def assert_same_output(model, prompt: list[int], got: list[int], want: list[int], label: str = "") -> None:
+    """Token for token equal; the only excuse is a floating-point near-tie of the target.
+
+    Over the link the target runs the very same llama.cpp computation as in local mode, but the
+    edge's decoder may shape (or pipeline) its trees differently, and a different tree changes the
+    KV-cache layout and so the last bits of the logits (MODELS.md). A divergence is therefore
+    accepted only where the target's top-2 margin, recomputed on the common prefix, is < 0.5.
+    """
+    if got == want:
+        return
+    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    margin = target_margin(model, prompt + got[:i])
+    assert margin < NEAR_TIE, (f"{label}: link output diverges from local mode at token {i} where the target's "
+                                f"top-2 margin is {margin:.3f} (not a near-tie): {got} != {want}")
+    print(f"{label}: near-tie divergence at token {i} (margin {margin:.3f})")
 
 
 def open_raw(srv: ServerProcess, fingerprint: str, model_id: str = "test", token: str | None = "default"):
@@ -116,10 +148,10 @@ def assert_healthy_and_serving(srv: ServerProcess, fingerprint: str, prompt: lis
 
 
 # -- correctness over the link ----------------------------------------------------------------
-def test_greedy_over_the_link_equals_local(server, smol_path, prompts, reference):
+def test_greedy_over_the_link_equals_local(server, smol_path, smol_model, prompts, reference):
     with remote_session(server, smol_path) as session:
-        for prompt, ref in zip(prompts, reference):
-            assert generate(session, prompt) == ref
+        for i, (prompt, ref) in enumerate(zip(prompts, reference)):
+            assert_same_output(smol_model, prompt, generate(session, prompt), ref, f"prompt {i}")
         link = session.stats.link
         assert link.steps == session.stats.steps > 0
         assert link.syncs == len(prompts) and link.resyncs == 0
@@ -128,13 +160,17 @@ def test_greedy_over_the_link_equals_local(server, smol_path, prompts, reference
         assert "rtt" in link.summary() and "tau" in session.stats.summary()
 
 
-def test_chat_text_over_the_link_equals_local(server, smol_path, local_session):
+def test_chat_text_over_the_link_equals_local(server, smol_path, smol_model, local_session):
     with remote_session(server, smol_path, tree=TreeShape.chain(4)) as remote, \
             EdgeSession(smol_path, smol_path, local=True, n_ctx=N_CTX, tree=TreeShape.chain(4)) as local:
-        assert remote.chat(PROMPTS[0], max_tokens=24) == local.chat(PROMPTS[0], max_tokens=24)
+        got, want = remote.chat(PROMPTS[0], max_tokens=24), local.chat(PROMPTS[0], max_tokens=24)
+        if got != want:  # same rule as assert_same_output, on the text
+            prompt = local.draft_model.chat_tokens([{"role": "user", "content": PROMPTS[0]}])
+            assert_same_output(smol_model, prompt, smol_model.tokenize(got, False, False),
+                               smol_model.tokenize(want, False, False), "chat")
 
 
-def test_concurrent_sessions(server, smol_path, prompts, reference):
+def test_concurrent_sessions(server, smol_path, smol_model, prompts, reference):
     results: dict[int, list[int]] = {}
     errors: list[BaseException] = []
 
@@ -151,7 +187,8 @@ def test_concurrent_sessions(server, smol_path, prompts, reference):
     for t in threads:
         t.join(timeout=120)
     assert not errors, errors
-    assert [results[i] for i in range(3)] == reference[:3]
+    for i in range(3):
+        assert_same_output(smol_model, prompts[i], results[i], reference[i], f"thread {i}")
 
 
 def test_info_and_reflection(server, fingerprint):
@@ -174,10 +211,10 @@ def test_health_needs_no_token(server):
 
 
 # -- eviction, idle timeout, limits, deadline -------------------------------------------------
-def test_eviction_and_transparent_resync(small_server, smol_path, prompts, reference):
+def test_eviction_and_transparent_resync(small_server, smol_path, smol_model, prompts, reference):
     """One KV slot, two sessions stepping alternately: each step evicts the other; both stay correct."""
     before = small_server.info()
-    a, b = (EdgeSession(smol_path, smol_path, verifier=small_server.address, n_ctx=N_CTX) for _ in range(2))
+    a, b = (EdgeSession(smol_path, smol_path, verifier=small_server.address, n_ctx=N_CTX, tree=SHAPE) for _ in range(2))
     with a, b:
         gens = [a.generate_tokens(prompts[0], MAX_TOKENS, GREEDY), b.generate_tokens(prompts[1], MAX_TOKENS, GREEDY)]
         outs: list[list[int]] = [[], []]
@@ -190,7 +227,8 @@ def test_eviction_and_transparent_resync(small_server, smol_path, prompts, refer
                         live[i] = False
                     else:
                         outs[i] += chunk
-        assert outs == reference[:2]
+        for i in range(2):
+            assert_same_output(smol_model, prompts[i], outs[i], reference[i], f"session {i}")
         assert a.stats.link.resyncs > 0 and b.stats.link.resyncs > 0
     after = small_server.info()
     assert after.resyncs - before.resyncs == a.stats.link.resyncs + b.stats.link.resyncs
@@ -442,13 +480,13 @@ def test_wrong_or_missing_token(server, fingerprint, prompts, token):
     assert_healthy_and_serving(server, fingerprint, prompts[0])
 
 
-def test_tls(tmp_path, smol_path, fingerprint, prompts, reference):
+def test_tls(tmp_path, smol_path, smol_model, fingerprint, prompts, reference):
     ca, cert, key = make_tls_files(tmp_path)
     srv = ServerProcess(smol_path, "--n-ctx", str(N_CTX), "--tls-cert", str(cert), "--tls-key", str(key), token=TOKEN)
     try:
         host_port = f"localhost:{srv.port}"
-        with EdgeSession(smol_path, smol_path, verifier=host_port, token=TOKEN, tls=str(ca), n_ctx=N_CTX) as s:
-            assert generate(s, prompts[0], 16) == reference[0][:16]
+        with EdgeSession(smol_path, smol_path, verifier=host_port, token=TOKEN, tls=str(ca), n_ctx=N_CTX, tree=SHAPE) as s:
+            assert_same_output(smol_model, prompts[0], generate(s, prompts[0], 16), reference[0][:16], "tls")
         with RemoteVerifier(f"127.0.0.1:{srv.port}", TOKEN, str(ca), tokenizer_hash=fingerprint) as link:
             link.sync(prompts[0])  # IP SAN
         with pytest.raises(VerifierUnavailableError):  # plain text against a TLS port
@@ -464,13 +502,13 @@ def test_tls(tmp_path, smol_path, fingerprint, prompts, reference):
 
 
 # -- the embedded verifier --------------------------------------------------------------------
-def test_embedded_verifier_is_the_default(smol_path, prompts, reference):
-    session = EdgeSession(smol_path, smol_path, n_ctx=N_CTX)
+def test_embedded_verifier_is_the_default(smol_path, smol_model, prompts, reference):
+    session = EdgeSession(smol_path, smol_path, n_ctx=N_CTX, tree=SHAPE)
     child = session._embedded
     try:
         assert child is not None and child.running
         assert child.address.startswith("127.0.0.1:")
-        assert generate(session, prompts[2]) == reference[2]
+        assert_same_output(smol_model, prompts[2], generate(session, prompts[2]), reference[2], "embedded")
         assert session.stats.link.steps > 0
     finally:
         session.close()

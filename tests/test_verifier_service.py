@@ -463,6 +463,25 @@ def test_context_overflow_while_generating(small_server, fingerprint, smol_path)
         assert 250 <= len(link.committed) <= 257
 
 
+def test_link_reconnects_after_a_server_restart(smol_path, fingerprint, prompts):
+    srv = ServerProcess(smol_path, "--n-ctx", "512")
+    port = srv.port
+    try:
+        with RemoteVerifier(srv.address, tokenizer_hash=fingerprint, timeout_s=20) as link:
+            link.sync(prompts[0])
+            first = link.verify(TokenTree.chain(prompts[0][-1], []), GREEDY, 0).tokens
+            assert srv.stop() == 0
+            with pytest.raises(VerifierUnavailableError):  # nobody listens: fails fast
+                link.verify(TokenTree.chain(link.committed[-1], []), GREEDY, 1)
+            srv = ServerProcess(smol_path, "--n-ctx", "512", "--port", str(port))
+            # a new stream (Open + Sync of the whole committed context) is set up transparently
+            second = link.verify(TokenTree.chain(link.committed[-1], []), GREEDY, 1).tokens
+            assert link.committed == prompts[0] + first + second
+            assert link.link_stats.reconnects >= 1 and link.link_stats.syncs >= 2
+    finally:
+        srv.stop()
+
+
 # -- auth and TLS -----------------------------------------------------------------------------
 @pytest.mark.parametrize("token", [None, "wrong-token", TOKEN + "x", ""])
 def test_wrong_or_missing_token(server, fingerprint, prompts, token):

@@ -46,6 +46,9 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.initial_reconnect_backoff_ms", 250),  # a restarted verifier is found again quickly
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 3000),
 ]
 
 
@@ -137,10 +140,10 @@ class LinkStats:
 class _Stream:
     """One Session call: requests go through a queue, a reader thread collects the answers."""
 
-    def __init__(self, stub: pb_grpc.VerifierStub, metadata: list[tuple[str, str]]) -> None:
+    def __init__(self, stub: pb_grpc.VerifierStub, metadata: list[tuple[str, str]], wait_for_ready: bool) -> None:
         self._requests: queue.Queue = queue.Queue()
         self.responses: queue.Queue = queue.Queue()
-        self.call = stub.Session(self._request_iter(), metadata=metadata)
+        self.call = stub.Session(self._request_iter(), metadata=metadata, wait_for_ready=wait_for_ready)
         self.broken = False
         self._reader = threading.Thread(target=self._read, name="edgespec-link-reader", daemon=True)
         self._reader.start()
@@ -189,16 +192,20 @@ class RemoteVerifier:
 
     def __init__(self, address: str, token: str | None = None, tls: None | bool | str | Path = None, *,
                  tokenizer_hash: str, model_id: str = "", timeout_s: float = 60.0, deadline_ms: int | None = None,
-                 client_name: str = "edgespec", server_name: str | None = None, retries: int = 1) -> None:
+                 client_name: str = "edgespec", server_name: str | None = None, retries: int = 1,
+                 reconnect_timeout_s: float = 5.0) -> None:
         """Connect and Open the session at once, so a wrong address, token, model or tokenizer fails here.
 
         timeout_s bounds every round trip; deadline_ms (default: timeout_s) tells the server how
         long a Verify may wait in its queue before it should give up (DEADLINE_EXCEEDED).
+        After a transport failure a call is retried `retries` times on a new stream, each retry
+        waiting up to reconnect_timeout_s for the verifier to be reachable again.
         """
         self.address = address
         self.timeout_s = timeout_s
         self.deadline_ms = int(timeout_s * 1000) if deadline_ms is None else deadline_ms
         self.retries = retries
+        self.reconnect_timeout_s = reconnect_timeout_s
         self._open_msg = wire.open_message(model_id, tokenizer_hash, client_name)
         self._metadata = [(wire.AUTH_KEY, f"Bearer {token}")] if token else []
         self._channel = make_channel(address, tls, server_name=server_name)
@@ -253,7 +260,7 @@ class RemoteVerifier:
         for attempt in range(self.retries + 1):
             try:
                 if self._stream is None:
-                    self._connect(resync=bool(self._committed))
+                    self._connect(resync=bool(self._committed), patient=attempt > 0)
                 return action()
             except VerifierUnavailableError as exc:
                 self._drop_stream()
@@ -270,12 +277,17 @@ class RemoteVerifier:
             self._stream.close(wait_s=0.2)
             self._stream = None
 
-    def _connect(self, resync: bool) -> None:
-        self._stream = _Stream(self._stub, self._metadata)
+    def _connect(self, resync: bool, patient: bool = False) -> None:
+        """Open a new stream; `patient` waits (reconnect_timeout_s) for an unreachable verifier."""
+        self._stream = _Stream(self._stub, self._metadata, wait_for_ready=patient)
         self._streams_opened += 1
         if self._streams_opened > 1:
             self.link_stats.reconnects += 1
-        reply = self._roundtrip(self._open_msg, "opened")
+        if patient:
+            reply = self._roundtrip(self._open_msg, "opened", timeout_s=min(self.timeout_s, self.reconnect_timeout_s),
+                                    on_timeout=VerifierUnavailableError)
+        else:
+            reply = self._roundtrip(self._open_msg, "opened")
         self.opened = reply.opened
         if resync:
             self._sync_now()
@@ -316,16 +328,18 @@ class RemoteVerifier:
                                 **{k: v for k, v in timings.items() if k in _RESULT_FIELDS})
         raise VerifierUnavailableError("the verifier keeps asking for a resync; giving up on this step")
 
-    def _roundtrip(self, message: pb.EdgeMessage, *expected: str) -> pb.VerifierMessage:
+    def _roundtrip(self, message: pb.EdgeMessage, *expected: str, timeout_s: float | None = None,
+                   on_timeout: type[EdgespecError] = DeadlineExceededError) -> pb.VerifierMessage:
         stream = self._stream
         assert stream is not None
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         stream.send(message)
         self.link_stats.bytes_up += message.ByteSize()
         try:
-            reply = stream.responses.get(timeout=self.timeout_s)
+            reply = stream.responses.get(timeout=timeout_s)
         except queue.Empty:
             stream.call.cancel()
-            raise DeadlineExceededError(f"no answer from the verifier at {self.address} within {self.timeout_s:g} s") from None
+            raise on_timeout(f"no answer from the verifier at {self.address} within {timeout_s:g} s") from None
         if isinstance(reply, grpc.RpcError):
             raise _error_of(reply) from None
         if reply is _END:

@@ -213,6 +213,9 @@ class SessionRegistry:
     def reap_idle(self, now: float | None = None) -> int:
         """Free the KV slots of sessions idle longer than idle_timeout_s; returns how many."""
         now = time.monotonic() if now is None else now
+        with self._lock:  # cheap check first: do not queue behind model work for nothing
+            if not any(s.in_flight == 0 and now - s.last_used > self.idle_timeout_s for s in self._live.values()):
+                return 0
         with self.compute_lock_held():
             with self._lock:
                 idle = [s for s in self._live.values()

@@ -112,8 +112,10 @@ class Planner:
 
     def step_seconds(self, nodes: int, decodes: int, q_entries: int = 0) -> float:
         up = nodes * BYTES_PER_NODE + q_entries * BYTES_PER_Q_ENTRY
-        verify = self.verify.a + self.verify.b * (nodes + 1) * self.load_factor
-        return decodes * self.draft_per_decode_s + self.network(up) + self.queue_s + verify
+        # Queueing is the symptom of a shared, saturated verifier: rather than a fixed delay (which
+        # would favour ever bigger trees), it scales what our nodes cost, so trees shrink under load.
+        verify = (self.verify.a + self.verify.b * (nodes + 1)) * self.load_factor
+        return decodes * self.draft_per_decode_s + self.network(up) + verify
 
     def expected_tokens(self, shape: TreeShape) -> float:
         """1 + expected accepted drafts for a shape, from the calibrated acceptance of a typical

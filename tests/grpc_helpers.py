@@ -34,7 +34,7 @@ class ServerProcess:
             env["EDGESPEC_TOKEN"] = token
         self.token = token
         self.cmd = [sys.executable, "-m", "edgespec", "verifier", "serve", "--model", str(model),
-                    "--host", "127.0.0.1", "--port", "0", *args]
+                    "--host", "127.0.0.1", "--port", "0", "--exit-with-parent", *args]
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.stderr: list[str] = []
         threading.Thread(target=self._drain_stderr, daemon=True).start()

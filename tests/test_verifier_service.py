@@ -191,6 +191,31 @@ def test_concurrent_sessions(server, smol_path, smol_model, prompts, reference):
         assert_same_output(smol_model, prompts[i], results[i], reference[i], f"thread {i}")
 
 
+def test_sampled_trees_verify_identically_over_the_link(server, smol_model, fingerprint, prompts):
+    """Same sampled tree (q weights, seed, temperature on the wire) -> same accept/reject decisions."""
+    from edgespec.edge.drafting import Drafter
+
+    sampling = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=1234)
+    drafter = Drafter(smol_model, ContextConfig(n_ctx=N_CTX, max_tree_nodes=33))
+    local = LlamaTreeVerifier(smol_model, ContextConfig(n_ctx=N_CTX))
+    committed = list(prompts[3])
+    try:
+        with RemoteVerifier(server.address, TOKEN, tokenizer_hash=fingerprint, model_id="test") as link:
+            link.sync(committed)
+            local.sync(committed)
+            for step in range(6):
+                draft = drafter.grow(committed, TreeShape(budget=12, max_depth=4), sampling, step)
+                assert draft.tree.q_tokens.shape[1] > 0
+                a, b = local.verify(draft.tree, sampling, step), link.verify(draft.tree, sampling, step)
+                assert (a.path, a.tokens) == (b.path, b.tokens)
+                np.testing.assert_allclose(a.margins, b.margins, rtol=1e-6)
+                committed += a.tokens  # grow() re-syncs the drafter's KV to this context
+            assert link.committed == committed
+    finally:
+        drafter.close()
+        local.close()
+
+
 def test_info_and_reflection(server, fingerprint):
     info = server.info()
     assert info.model_id == "smollm2-135m-instruct" and "test" in info.model_aliases

@@ -101,7 +101,7 @@ def main() -> int:
         for name in names:
             session.tree_shape = CONFIGS[name]
             for i, (category, prompt) in enumerate(prompts):
-                session.stats = type(session.stats)()
+                session.reset_stats()
                 sampling = SamplingParams(temperature=temperature, seed=args.seed + i)
                 tokens = session.draft_model.chat_tokens([{"role": "user", "content": prompt}])
                 for _ in session.generate_tokens(tokens, args.max_tokens, sampling):

@@ -77,6 +77,12 @@ class EdgeSession:
         self.decoder = Decoder(self.drafter, verifier, self.stats, tree, self.draft_model.is_end_of_generation,
                                pipelined=not local)
 
+    def reset_stats(self) -> SessionStats:
+        """Start counting afresh (e.g. per request); returns the statistics gathered so far."""
+        old = self.stats
+        self.stats = self.decoder.stats = SessionStats(link=old.link)
+        return old
+
     @property
     def tree_shape(self) -> TreeShape | None:
         """The fixed tree shape, or None when the planner sizes each tree from the cost model."""

@@ -36,7 +36,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-"${PIP[@]}" install -c constraints/ci.txt "pip>=23" "setuptools>=68" wheel
+"${PIP[@]}" install -c constraints/ci.txt "pip>=23" "setuptools>=77" wheel
 
 # llama-cpp-python: build once per flavor and machine arch, then reuse the wheel.
 WHEELS="$HOME_DIR/wheels/$FLAVOR-$(uname -m)"

@@ -161,6 +161,8 @@ class TreeContext:
     def __init__(self, model: LlamaModel, config: ContextConfig = ContextConfig()) -> None:
         self.model = model
         self.config = config
+        if config.n_ctx < config.max_tree_nodes + 1:  # llama.cpp would abort the process (GGML_ASSERT)
+            raise ValueError(f"n_ctx={config.n_ctx} must exceed max_tree_nodes={config.max_tree_nodes}")
         params = C.llama_context_default_params()
         params.n_ctx = config.n_ctx
         params.n_batch = max(config.n_batch, config.max_tree_nodes + 1)

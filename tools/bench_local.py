@@ -18,10 +18,10 @@ import random
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from edgespec.common.sampling import SamplingParams
+from edgespec.edge.decoder import SessionStats
 from edgespec.edge.drafting import TreeShape
 from edgespec.edge.session import EdgeSession
 
@@ -33,26 +33,6 @@ CONFIGS = {
     "tree32": TreeShape(budget=32, max_depth=8, top_k=4, width=6),
     "tree64": TreeShape(budget=64, max_depth=10, top_k=6, width=8),
 }
-
-
-@dataclass
-class Cell:
-    prompts: int = 0
-    tokens: int = 0
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    seconds: float = 0.0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-
-    @property
-    def tau(self) -> float:
-        return self.tokens / max(self.steps, 1)
-
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / max(self.seconds, 1e-9)
 
 
 def load_prompts(spec_bench: Path, per_category: int, humaneval: int, seed: int) -> list[tuple[str, str]]:
@@ -96,7 +76,7 @@ def main() -> int:
     names = args.configs.split(",")
     largest = max((CONFIGS[n] for n in names), key=lambda s: max(s.budget, s.width * s.max_depth))
     session = EdgeSession(args.draft, args.target, local=True, tree=largest, n_ctx=2048)
-    cells: dict[tuple[float, str, str], Cell] = defaultdict(Cell)
+    cells: dict[tuple[float, str, str], SessionStats] = defaultdict(SessionStats)
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         for name in names:
             session.tree_shape = CONFIGS[name]
@@ -108,17 +88,15 @@ def main() -> int:
                     pass
                 s = session.stats
                 for key in (category, "overall"):
-                    c = cells[(temperature, name, key)]
-                    c.prompts += 1
-                    for f in ("tokens", "steps", "drafted", "accepted", "seconds", "draft_seconds", "verify_seconds"):
-                        setattr(c, f, getattr(c, f) + getattr(s, f))
+                    cells[(temperature, name, key)].add(s)
                 print(f"T={temperature} {name:7s} {category:15s} tau={s.tau:.2f} {s.tokens_per_second:.2f} tok/s",
                       file=sys.stderr, flush=True)
     session.close()
 
     if args.json:
-        args.json.write_text(json.dumps([{"temperature": t, "config": n, "category": c, **asdict(v), "tau": v.tau,
-                                          "tok_s": v.tok_s} for (t, n, c), v in cells.items()], indent=1))
+        args.json.write_text(json.dumps([{"temperature": t, "config": n, "category": c, "tau": v.tau,
+                                          "tok_s": v.tokens_per_second, **{k: getattr(v, k) for k in v.COUNTERS}}
+                                         for (t, n, c), v in cells.items()], indent=1))
     if args.markdown:
         print(f"\nMachine: {machine()}; models: draft={args.draft}, target={args.target}; "
               f"{len(prompts)} prompts, max {args.max_tokens} new tokens, 1 thread per model.\n")
@@ -127,9 +105,9 @@ def main() -> int:
         categories = sorted({c for (_, _, c) in cells}, key=lambda c: (c == "overall", c))
         for (t, n, c), v in sorted(cells.items(), key=lambda kv: (kv[0][0], categories.index(kv[0][2]), names.index(kv[0][1]))):
             base = cells.get((t, "target", c))
-            ratio = f"{v.tok_s / base.tok_s:.2f}×" if base and base.tok_s else "—"
+            ratio = f"{v.tokens_per_second / base.tokens_per_second:.2f}×" if base and base.tokens_per_second else "—"
             acc = f"{v.accepted / v.drafted:.2f}" if v.drafted else "—"
-            print(f"| {t:g} | {c} | {n} | {v.tau:.2f} | {acc} | {v.tok_s:.2f} | "
+            print(f"| {t:g} | {c} | {n} | {v.tau:.2f} | {acc} | {v.tokens_per_second:.2f} | "
                   f"{1000 * v.draft_seconds / max(v.steps, 1):.0f} | {1000 * v.verify_seconds / max(v.steps, 1):.0f} | {ratio} |")
     return 0
 

@@ -60,6 +60,13 @@ class SessionStats:
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
+    COUNTERS = ("tokens", "steps", "drafted", "accepted", "seconds", "draft_seconds", "verify_seconds", "prepared_hits")
+
+    def add(self, other: "SessionStats") -> None:
+        """Accumulate another run's counters (benchmarks sum per category)."""
+        for name in self.COUNTERS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
     def summary(self) -> str:
         return (f"{self.tokens} tokens in {self.seconds:.2f} s ({self.tokens_per_second:.2f} tok/s), "
                 f"{self.steps} target steps, tau {self.tau:.2f}, acceptance {self.acceptance_rate:.2f}")

@@ -43,6 +43,7 @@ class SessionStats:
     draft_seconds: float = 0.0       # drafting on the critical path (not overlapped with verification)
     verify_seconds: float = 0.0      # waiting for the verifier (round trip, queue, compute)
     prepared_hits: int = 0           # steps whose tree was drafted while the previous one was in flight
+    prefill_seconds: float = 0.0     # prompt processing by both models (not in `seconds`)
     extra: dict = field(default_factory=dict)
     link: Any = None  # edgespec.edge.link.LinkStats when verifying over gRPC (None in local mode)
 
@@ -58,9 +59,11 @@ class SessionStats:
 
     @property
     def tokens_per_second(self) -> float:
+        """Decoding speed after the prompt was processed (prefill is in prefill_seconds)."""
         return self.tokens / self.seconds if self.seconds else 0.0
 
-    COUNTERS = ("tokens", "steps", "drafted", "accepted", "seconds", "draft_seconds", "verify_seconds", "prepared_hits")
+    COUNTERS = ("tokens", "steps", "drafted", "accepted", "seconds", "draft_seconds", "verify_seconds",
+                "prepared_hits", "prefill_seconds")
 
     def add(self, other: "SessionStats") -> None:
         """Accumulate another run's counters (benchmarks sum per category)."""
@@ -68,7 +71,8 @@ class SessionStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def summary(self) -> str:
-        return (f"{self.tokens} tokens in {self.seconds:.2f} s ({self.tokens_per_second:.2f} tok/s), "
+        return (f"{self.tokens} tokens in {self.seconds:.2f} s ({self.tokens_per_second:.2f} tok/s) "
+                f"after {self.prefill_seconds:.2f} s of prompt processing, "
                 f"{self.steps} target steps, tau {self.tau:.2f}, acceptance {self.acceptance_rate:.2f}")
 
 
@@ -96,7 +100,16 @@ class Decoder:
     def run(self, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> Iterator[list[int]]:
         """Yields the tokens committed by each target step (end-of-generation token excluded)."""
         committed = list(prompt)
-        self.verifier.sync(committed)
+        started = time.perf_counter()
+        if self._pool is not None:  # prefill both models at once: the verifier is elsewhere
+            synced = self._pool.submit(self.verifier.sync, committed)
+            self.drafter.predict_next(committed)
+            synced.result()
+        else:
+            self.verifier.sync(committed)
+            if self.shape is None or self.shape.budget:
+                self.drafter.predict_next(committed)
+        self.stats.prefill_seconds += time.perf_counter() - started
         produced, step, prepared = 0, 0, None
         while produced < max_tokens:
             started = time.perf_counter()

@@ -7,7 +7,7 @@ llama.cpp target (local mode) or the gRPC link to a verifier service.
 from __future__ import annotations
 
 import os
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from edgespec.common import modelstore
 from edgespec.common.errors import InvalidRequestError, TokenizerMismatchError
@@ -18,6 +18,9 @@ from edgespec.edge.planner import LADDER
 from edgespec.runtime.llama import ContextConfig, LlamaModel, TextStream
 from edgespec.runtime.tree_verifier import LlamaTreeVerifier
 
+if TYPE_CHECKING:
+    from edgespec.edge.failover import FailoverVerifier, SwitchEvent
+
 Messages = str | Sequence[dict[str, str]]
 
 
@@ -26,7 +29,9 @@ class EdgeSession:
 
     def __init__(self, draft: str | os.PathLike = "draft", target: str | os.PathLike = "target", *,
                  verifier: str | Verifier | None = None, token: str | None = None, tls: None | bool | str = None,
-                 local: bool = False, tree: TreeShape | None = None, n_ctx: int = 4096) -> None:
+                 local: bool = False, tree: TreeShape | None = None, n_ctx: int = 4096, fallback: bool = True,
+                 deadline_s: float | None = None, probe_interval_s: float = 2.0, failure_threshold: int = 1,
+                 on_switch: Callable[[SwitchEvent], None] | None = None) -> None:
         """Draft with `draft`; verify against `target` (manifest names, role aliases or GGUF paths).
 
         Where verification runs:
@@ -36,6 +41,16 @@ class EdgeSession:
         - neither (the default): the bundled verifier service, started as a child process on
           loopback with the target model, and stopped by `close()`.
         A ready-made verifier object (anything with sync/verify/close) is used as given.
+
+        Fallback (remote and bundled modes; edgespec/edge/failover.py): the link is wrapped in a
+        FailoverVerifier. A step the verifier does not answer within `deadline_s` (default 10 s;
+        60 s with fallback=False), or that fails because the verifier is unreachable, is verified
+        by this device's own copy of `target` instead, losslessly; `failure_threshold` consecutive
+        failures open the circuit breaker (every step local), a probe every `probe_interval_s`
+        re-attaches once the verifier is healthy. The local target is loaded lazily, at the first
+        step that needs it (see LocalFallback for why), and never downloaded: without the file on
+        this device, or with fallback=False, failures raise VerifierUnavailableError. Each switch
+        is passed to `on_switch(SwitchEvent)`; state and counters are in stats.extra["failover"].
         """
         if local and verifier is not None:
             raise InvalidRequestError("local=True and verifier=... exclude each other")
@@ -53,7 +68,7 @@ class EdgeSession:
                     "token lists; speculative decoding needs a draft with the target's tokenizer")
             verifier = LlamaTreeVerifier(self.target_model, config)
         elif verifier is None or isinstance(verifier, str):
-            from edgespec.edge.link import RemoteVerifier, expected_model_id
+            from edgespec.edge.link import expected_model_id
 
             address = verifier
             if address is None:  # the bundled verifier on loopback (token: random, per child)
@@ -64,9 +79,19 @@ class EdgeSession:
                                                   max_depth=max(32, *(s.max_depth for s in shapes)))
                 address, token, tls = self._embedded.address, self._embedded.token, None
             try:
-                verifier = RemoteVerifier(address, token or os.environ.get("EDGESPEC_TOKEN"), tls,
-                                          tokenizer_hash=self.draft_model.tokenizer_fingerprint(),
-                                          model_id=expected_model_id(target), client_name="edgespec EdgeSession")
+                from edgespec.edge.failover import FailoverVerifier, LocalFallback
+
+                fingerprint = self.draft_model.tokenizer_fingerprint()
+                fallback_target, no_local = None, "fallback=False"
+                if fallback:
+                    fallback_target, no_local = LocalFallback.for_target(
+                        target, tokenizer_hash=fingerprint, config=config,
+                        max_depth=max(32, *(s.max_depth for s in shapes)))
+                verifier = FailoverVerifier(
+                    address, token=token or os.environ.get("EDGESPEC_TOKEN"), tls=tls, tokenizer_hash=fingerprint,
+                    model_id=expected_model_id(target), client_name="edgespec EdgeSession", local=fallback_target,
+                    no_local_reason=no_local, deadline_s=deadline_s, probe_interval_s=probe_interval_s,
+                    failure_threshold=failure_threshold, on_switch=on_switch, stats=lambda: self.stats)
             except BaseException:
                 if self._embedded is not None:
                     self._embedded.stop()
@@ -82,6 +107,13 @@ class EdgeSession:
         old = self.stats
         self.stats = self.decoder.stats = SessionStats(link=old.link)
         return old
+
+    @property
+    def failover(self) -> "FailoverVerifier | None":
+        """The fallback wrapper around the link (remote and bundled modes), else None."""
+        from edgespec.edge.failover import FailoverVerifier
+
+        return self.verifier if isinstance(self.verifier, FailoverVerifier) else None
 
     @property
     def tree_shape(self) -> TreeShape | None:

@@ -1,0 +1,318 @@
+"""Fallback that loses nothing (edgespec/edge/failover.py), with real parts only.
+
+A real `python -m edgespec verifier serve` process (SmolLM2 as draft and target), real gRPC on
+loopback, tools/netrelay.py for a stalled link. The verifier is SIGKILLed mid-generation, restarted
+on the same port, its link stalled past the deadline; the session must finish every generation
+with exactly the target's greedy output (near-ties excepted, tests/lossless.py), report every
+switch, and re-attach once the verifier is back.
+"""
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from edgespec import EdgeSession, TreeShape
+from edgespec.common.errors import InvalidTreeError, VerifierUnavailableError
+from edgespec.common.tree import TokenTree
+from edgespec.edge.failover import Breaker, FailoverVerifier, LocalFallback
+from edgespec.runtime.llama import ContextConfig
+from edgespec.runtime.tree_verifier import LlamaTreeVerifier
+from grpc_helpers import ServerProcess
+from lossless import GREEDY, NEAR_TIE_MARGIN, assert_lossless, target_only_greedy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import netrelay  # noqa: E402
+
+N_CTX = 2048
+SHAPE = TreeShape(budget=6, max_depth=3, top_k=2, width=2)  # a small real tree; fixed, so runs compare
+PROMPT = "Explain, step by step and in detail, how a computer boots."
+MAX_TOKENS = 160
+PROBE_S = 0.3
+
+
+# -- helpers ------------------------------------------------------------------------------------
+class Recorder:
+    """Spies on session.generate_tokens: the tokens committed per step, with the time they came."""
+
+    def __init__(self, session: EdgeSession) -> None:
+        self.steps: list[list[int]] = []
+        self.times: list[float] = []
+        inner = session.generate_tokens
+
+        def spy(*args, **kwargs):
+            for tokens in inner(*args, **kwargs):
+                self.steps.append(list(tokens))
+                self.times.append(time.monotonic())
+                yield tokens
+
+        session.generate_tokens = spy
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for step in self.steps for t in step]
+
+
+def pull(stream, chunks: list[str], until, max_steps: int = 400) -> None:
+    """Consume chunks until `until()` holds (the stream must not end first)."""
+    for _ in range(max_steps):
+        if until():
+            return
+        chunks.append(next(stream))
+    raise AssertionError("condition not reached")
+
+
+def wait_for(cond, timeout_s: float, interval_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(interval_s)
+    return bool(cond())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fo_stats(session: EdgeSession) -> dict:
+    return session.stats.extra["failover"]
+
+
+def assert_targets_choices(model, prompt: list[int], out: list[int], label: str) -> list[int]:
+    """Teacher-forced check of EVERY committed token: each is the target's greedy choice after the
+    tokens before it, or sits where the target's top-2 margin is < NEAR_TIE_MARGIN. A lost or
+    duplicated token would show up here (also after a near-tie, where a plain comparison with a
+    reference run has to stop). Returns the positions of near-ties."""
+    verifier = LlamaTreeVerifier(model, ContextConfig(n_ctx=N_CTX))
+    ties, i = [], 0
+    try:
+        verifier.sync(prompt)
+        while i < len(out):
+            chunk = out[i:i + 16]
+            result = verifier.verify(TokenTree.chain(verifier.committed[-1], chunk), GREEDY, i)
+            n = len(result.path)
+            if n < len(chunk):
+                assert result.margins[n] < NEAR_TIE_MARGIN, (
+                    f"{label}: token {i + n} ({chunk[n]}) is not the target's choice ({result.tokens[-1]}) and the "
+                    f"target's margin there is {result.margins[n]:.3f}: a lost, duplicated or wrong token")
+                ties.append(i + n)
+                n += 1
+            i += n
+            verifier.sync(prompt + out[:i])
+    finally:
+        verifier.close()
+    return ties
+
+
+def check_run(model, session: EdgeSession, rec: Recorder, chunks: list[str], reference, label: str) -> None:
+    """The invariant: nothing lost or duplicated, the target's output, chunks == text."""
+    prompt = session.draft_model.chat_tokens([{"role": "user", "content": PROMPT}])
+    out = rec.tokens
+    assert 0 < len(out) <= MAX_TOKENS
+    ended = len(out) < MAX_TOKENS
+    candidate = out + [model.eos] if ended else out
+    # the stream of chunks concatenates to the text of exactly the committed tokens
+    text = b"".join(model.token_bytes(t) for t in out).decode("utf-8", "replace")
+    assert "".join(chunks) == text, label
+    # what the failover verifier holds as committed is the prompt plus exactly these tokens
+    committed = session.failover.committed
+    assert committed[:len(prompt) + len(candidate)] == prompt + candidate, label
+    assert len(committed) - len(prompt) - len(out) <= SHAPE.max_depth + 1  # the last step's overshoot
+    assert_lossless(candidate, reference, label)
+    ties = assert_targets_choices(model, prompt, candidate, label)
+    print(f"{label}: {len(out)} tokens, near-ties at {ties}")
+
+
+@pytest.fixture(scope="module")
+def prompt_tokens(smol_model):
+    return smol_model.chat_tokens([{"role": "user", "content": PROMPT}])
+
+
+@pytest.fixture(scope="module")
+def reference(smol_model, prompt_tokens):
+    """Local-only, uninterrupted: plain greedy decoding with the target."""
+    return target_only_greedy(smol_model, prompt_tokens, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def server(smol_path):
+    srv = ServerProcess(smol_path, "--n-ctx", str(N_CTX))
+    yield srv
+    srv.stop()
+
+
+def session_for(smol_path, address: str, events: list, **kw) -> EdgeSession:
+    kw.setdefault("probe_interval_s", PROBE_S)
+    return EdgeSession(smol_path, smol_path, verifier=address, n_ctx=N_CTX, tree=SHAPE, on_switch=events.append, **kw)
+
+
+# -- the tests ----------------------------------------------------------------------------------
+def test_sigkill_goes_local_and_restart_reattaches(smol_path, smol_model, reference):
+    srv = ServerProcess(smol_path, "--n-ctx", str(N_CTX))
+    port, events = srv.port, []
+    session = session_for(smol_path, srv.address, events, deadline_s=5.0)
+    rec = Recorder(session)
+    try:
+        chunks: list[str] = []
+        stream = session.chat(PROMPT, stream=True, max_tokens=MAX_TOKENS)
+        pull(stream, chunks, lambda: len(rec.tokens) >= 30)
+        fo = fo_stats(session)
+        assert fo["mode"] == "remote" and fo["breaker"] == "closed" and fo["local_steps"] == 0
+        assert fo["remote_steps"] == len(rec.steps) and not fo["local_loaded"]
+
+        srv.proc.kill()  # SIGKILL: no goodbye on the stream
+        srv.proc.wait(10)
+        killed_at = time.monotonic()
+        pull(stream, chunks, lambda: events)
+        assert time.monotonic() - killed_at < 5.0
+        assert (events[0].from_mode, events[0].to_mode) == ("remote", "local")
+        assert "VerifierUnavailableError" in events[0].reason and events[0].breaker == "open"
+        remote_steps = fo_stats(session)["remote_steps"]
+        steps = len(rec.steps)
+        pull(stream, chunks, lambda: len(rec.steps) >= steps + 3)  # a few steps while nothing listens
+        fo = fo_stats(session)
+        assert fo["remote_steps"] == remote_steps and fo["local_steps"] >= 4 and fo["breaker"] == "open"
+        assert fo["local_loaded"] and fo["switches"] == 1
+
+        srv = ServerProcess(smol_path, "--n-ctx", str(N_CTX), "--port", str(port))  # same port
+        assert wait_for(lambda: session.failover.state is Breaker.HALF_OPEN, 15), fo_stats(session)
+        assert fo_stats(session)["breaker"] == "half-open"
+        chunks += list(stream)
+        fo = fo_stats(session)
+        assert [(e.from_mode, e.to_mode) for e in events] == [("remote", "local"), ("local", "remote")]
+        assert events[1].breaker == "closed" and "re-attached" in events[1].reason
+        assert fo["mode"] == "remote" and fo["breaker"] == "closed" and fo["reattaches"] == 1
+        assert fo["remote_steps"] > remote_steps + 3, fo  # remote steps resumed
+        assert fo["remote_steps"] + fo["local_steps"] == len(rec.steps) == session.stats.steps
+        assert [h["to_state"] for h in fo["breaker_history"]] == ["open", "half-open", "closed"]
+        assert session.stats.link.reconnects >= 1
+        check_run(smol_model, session, rec, chunks, reference, "sigkill+restart")
+    finally:
+        session.close()
+        srv.stop()
+
+
+def test_stalled_link_goes_local_within_the_deadline(server, smol_path, smol_model, reference):
+    deadline = 1.0
+    with netrelay.RelayThread(("127.0.0.1", server.port), delay_up_ms=2, delay_down_ms=2) as relay:
+        events: list = []
+        session = session_for(smol_path, f"127.0.0.1:{relay.address[1]}", events, deadline_s=deadline)
+        rec = Recorder(session)
+        try:
+            chunks: list[str] = []
+            stream = session.chat(PROMPT, stream=True, max_tokens=MAX_TOKENS)
+            pull(stream, chunks, lambda: len(rec.tokens) >= 30)
+            assert fo_stats(session)["mode"] == "remote"
+            relay.stall(6.0)  # the link holds every byte, connections stay open
+            steps = len(rec.steps)
+            pull(stream, chunks, lambda: len(rec.steps) > steps)
+            took = rec.times[steps] - rec.times[steps - 1]
+            # the deadline, plus loading the local SmolLM2, prefilling ~100 tokens and one verify
+            assert deadline <= took < deadline + 2.5, took
+            fo = fo_stats(session)
+            assert fo["deadline_misses"] == 1 and fo["local_steps"] == 1 and fo["breaker"] == "open"
+            assert len(events) == 1 and events[0].to_mode == "local" and f"within {deadline:g} s" in events[0].reason
+            pull(stream, chunks, lambda: len(rec.steps) > steps + 3)  # still stalled: local, no waiting
+            assert max(b - a for a, b in zip(rec.times[steps:], rec.times[steps + 1:])) < 1.0
+            relay.resume()  # the held bytes (the late answer among them) are delivered now
+            assert wait_for(lambda: session.failover.state is not Breaker.OPEN, 10), fo_stats(session)
+            chunks += list(stream)
+            fo = fo_stats(session)
+            assert [(e.from_mode, e.to_mode) for e in events] == [("remote", "local"), ("local", "remote")]
+            assert fo["breaker"] == "closed" and fo["remote_steps"] > 0
+            check_run(smol_model, session, rec, chunks, reference, "stall")
+        finally:
+            session.close()
+
+
+def test_without_fallback_a_failure_raises(server, smol_path, tmp_path):
+    dead = f"127.0.0.1:{free_port()}"
+    with pytest.raises(VerifierUnavailableError, match=r"no local fallback .*fallback=False"):
+        EdgeSession(smol_path, smol_path, verifier=dead, fallback=False, n_ctx=N_CTX, tree=SHAPE)
+
+    # an unreachable verifier with a fallback: the session starts local (and says so)
+    events: list = []
+    with session_for(smol_path, dead, events) as session:
+        assert session.failover.state is Breaker.OPEN
+        assert [(e.from_mode, e.to_mode, e.step) for e in events] == [("remote", "local", -1)]
+        assert session.chat("Say hi.", max_tokens=8)
+        assert fo_stats(session)["local_steps"] > 0 and fo_stats(session)["remote_steps"] == 0
+
+    for label, kw, match in [("fallback=False", {"fallback": False}, "fallback=False"),
+                             ("no local target", {"target": tmp_path / Path(smol_path).name}, "no local target model")]:
+        srv = ServerProcess(smol_path, "--n-ctx", str(N_CTX))
+        target = kw.pop("target", smol_path)
+        events = []
+        session = EdgeSession(smol_path, target, verifier=srv.address, n_ctx=N_CTX, tree=SHAPE,
+                              on_switch=events.append, deadline_s=5.0, **kw)
+        try:
+            stream = session.chat(PROMPT, stream=True, max_tokens=60)
+            next(stream)
+            srv.proc.kill()
+            srv.proc.wait(10)
+            with pytest.raises(VerifierUnavailableError, match=match) as info:
+                for _ in stream:
+                    pass
+            print(f"{label}: {info.value}")
+            fo = fo_stats(session)
+            assert fo["local_steps"] == 0 and not fo["local_loaded"] and not fo["fallback"] and not events
+        finally:
+            session.close()
+            srv.stop()
+
+
+def test_breaker_transitions_with_an_unreachable_address(smol_path, smol_model, prompt_tokens, reference):
+    port = free_port()  # nobody listens here (yet)
+    fingerprint = smol_model.tokenizer_fingerprint()
+    events: list = []
+    fo = FailoverVerifier(f"127.0.0.1:{port}", tokenizer_hash=fingerprint,
+                          local=LocalFallback(smol_path, tokenizer_hash=fingerprint, config=ContextConfig(n_ctx=N_CTX)),
+                          deadline_s=3.0, probe_interval_s=0.2, failure_threshold=2, on_switch=events.append,
+                          connect_now=False)
+    srv = None
+    ref = reference.tokens
+
+    def step(i: int) -> list[int]:
+        done = len(fo.committed) - len(prompt_tokens)
+        return fo.verify(TokenTree.chain(fo.committed[-1], ref[done:done + 3]), GREEDY, i).tokens
+
+    try:
+        assert fo.state is Breaker.CLOSED
+        fo.sync(prompt_tokens)  # connection refused: failure 1 of 2; the local target is prefilled instead
+        assert fo.state is Breaker.CLOSED and fo.counters["failures"] == 1 and fo.snapshot()["local_loaded"]
+        step(0)  # failure 2: the breaker opens; the step is verified locally
+        assert fo.state is Breaker.OPEN and fo.mode == "local" and fo.counters["local_steps"] == 1
+        assert [(e.from_mode, e.to_mode, e.step) for e in events] == [("remote", "local", 0)]
+        started = time.monotonic()
+        step(1)  # open: straight to the local target, the verifier is not even tried
+        assert time.monotonic() - started < 1.0 and fo.counters["failures"] == 2
+        assert wait_for(lambda: fo.counters["probe_failures"] >= 2, 5)
+        assert fo.state is Breaker.OPEN  # probes fail while nobody listens
+
+        srv = ServerProcess(smol_path, "--n-ctx", str(N_CTX), "--port", str(port))
+        assert wait_for(lambda: fo.state is Breaker.HALF_OPEN, 10), fo.snapshot()
+        step(2)  # re-attach: resync the full committed context, verify there, close the breaker
+        assert fo.state is Breaker.CLOSED and fo.mode == "remote" and fo.counters["remote_steps"] == 1
+        assert [(e.from_mode, e.to_mode, e.step) for e in events][1:] == [("local", "remote", 2)]
+        step(3)
+        with pytest.raises(InvalidTreeError):  # a client error propagates and is not a failure
+            fo.verify(TokenTree.chain(fo.committed[-1], [10**6]), GREEDY, 4)
+        assert fo.state is Breaker.CLOSED and fo.counters["failures"] == 2
+        step(4)
+        assert fo.counters["remote_steps"] == 3 and fo.counters["local_steps"] == 2
+        assert [(h.from_state, h.to_state) for h in fo.breaker_history] == [
+            ("closed", "open"), ("open", "half-open"), ("half-open", "closed")]
+        out = fo.committed[len(prompt_tokens):]
+        assert len(out) >= 5 * 2
+        assert_lossless(out, reference, "breaker")
+        assert_targets_choices(smol_model, prompt_tokens, out, "breaker")
+    finally:
+        fo.close()
+        if srv is not None:
+            srv.stop()

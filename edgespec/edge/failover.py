@@ -216,13 +216,15 @@ class _Call:
     link it used: a late answer can never reach the caller.
     """
 
-    def __init__(self, fn: Callable[["_Call"], Any], name: str) -> None:
+    def __init__(self, fn: Callable[["_Call"], Any], name: str,
+                 on_late: Callable[[bool], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._abandoned = False
         self._value: Any = None
         self._error: BaseException | None = None
         self.link: RemoteVerifier | None = None  # the link the worker uses (set by fn)
+        self._on_late = on_late
         threading.Thread(target=self._run, args=(fn,), name=name, daemon=True).start()
 
     def _run(self, fn: Callable[["_Call"], Any]) -> None:
@@ -238,6 +240,8 @@ class _Call:
                 self._done.set()
         if late:  # nobody waits for this answer any more: drop it, and the link with it
             _close_quietly(self.link)
+            if self._on_late is not None:
+                self._on_late(error is None)
 
     def wait(self, timeout_s: float) -> Any:
         self._done.wait(timeout_s)
@@ -276,8 +280,8 @@ class FailoverVerifier:
             step; None = no fallback: failures raise VerifierUnavailableError (the message says
             why there is no fallback: `no_local_reason`).
         deadline_s: how long a step may wait for the remote answer (default 10 s with a fallback,
-            60 s without); sync_deadline_s: the same for `sync` (prompt prefill on the server;
-            default max(30 s, deadline_s)).
+            60 s without), including the first contact; sync_deadline_s: the same for `sync`
+            (a new prompt is prefilled on the server; default 3 x deadline_s).
         failure_threshold: consecutive failures that open the breaker (default 1: every failure
             already cost up to deadline_s of waiting, and the link retried transport errors once
             by itself; a blip is repaired by the probe within probe_interval_s).
@@ -300,8 +304,7 @@ class FailoverVerifier:
         if deadline_s <= 0:
             raise InvalidRequestError(f"deadline_s must be > 0, got {deadline_s}")
         self.deadline_s = float(deadline_s)
-        self.sync_deadline_s = max(MIN_ATTACH_TIMEOUT_S, self.deadline_s) if sync_deadline_s is None \
-            else float(sync_deadline_s)
+        self.sync_deadline_s = 3 * self.deadline_s if sync_deadline_s is None else float(sync_deadline_s)
         self.attach_timeout_s = max(MIN_ATTACH_TIMEOUT_S, self.deadline_s, self.sync_deadline_s)
         self.probe_interval_s = float(probe_interval_s)
         self.probe_timeout_s = max(1.0, min(5.0, self.deadline_s))
@@ -326,17 +329,20 @@ class FailoverVerifier:
         self.breaker_history: collections.deque[BreakerEvent] = collections.deque(maxlen=HISTORY)
         self.counters = {"remote_steps": 0, "local_steps": 0, "failures": 0, "deadline_misses": 0,
                          "consecutive_failures": 0, "probes": 0, "probe_failures": 0, "attaches": 0,
-                         "reattaches": 0, "local_syncs": 0, "remote_syncs": 0}
+                         "reattaches": 0, "local_syncs": 0, "remote_syncs": 0,
+                         "late_answers": 0,   # remote answers that came after their deadline: dropped
+                         "late_failures": 0}  # remote attempts that failed after their deadline
         self.last_error = ""
         self.last_probe = ""
-        if connect_now:
+        if connect_now:  # first contact (Open), within deadline_s like every foreground remote call
             try:
-                self._remote = self._connect()
-            except BaseException as exc:
+                self._remote, _ = self._remote_call(None, [], None, self.deadline_s, "connect")
+            except _Failed as failed:
+                exc = failed.cause
                 if self._local_factory is None or not _transient_at_start(exc):
                     if isinstance(exc, VerifierUnavailableError) and self._local_factory is None:
                         raise type(exc)(f"{exc}; {self._why_no_local()}") from exc
-                    raise
+                    raise exc from None
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 self.counters["failures"] += 1
                 self._switch_reason = f"verifier unreachable at start: {self.last_error}"
@@ -387,7 +393,8 @@ class FailoverVerifier:
                 return
         local = self._local_verifier(None)
         local.sync(committed)
-        self.counters["local_syncs"] += 1
+        with self._lock:
+            self.counters["local_syncs"] += 1
 
     def verify(self, tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult:
         self._check_open()
@@ -417,7 +424,8 @@ class FailoverVerifier:
         local = self._local_verifier(failure)
         if getattr(local, "committed", None) != context:
             local.sync(context)
-            self.counters["local_syncs"] += 1
+            with self._lock:
+                self.counters["local_syncs"] += 1
         return self._commit(local.verify(tree, sampling, step), "local", step)
 
     def close(self) -> None:
@@ -467,12 +475,16 @@ class FailoverVerifier:
     # -- remote side -------------------------------------------------------------------------------
     def _connect(self) -> RemoteVerifier:
         """A fresh link (new channel, Open). Its round trips time out after attach_timeout_s at the
-        latest (the step deadline is enforced by the caller); the server is told deadline_s."""
+        latest (the step deadline is enforced by the caller); the server is told deadline_s. After a
+        broken stream the link retries once, waiting for the verifier at most reconnect_timeout_s:
+        short with a fallback (a reset is repaired in well under a second, a dead verifier should
+        not hold the step), longer without one (waiting is then the only way forward)."""
         link = RemoteVerifier(self.address, self._token, self._tls, tokenizer_hash=self._tokenizer_hash,
                               model_id=self._model_id, client_name=self._client_name,
                               server_name=self._server_name, timeout_s=self.attach_timeout_s,
                               deadline_ms=int(self.deadline_s * 1000), retries=1,
-                              reconnect_timeout_s=min(5.0, max(0.2, self.deadline_s / 2)))
+                              reconnect_timeout_s=min(1.0 if self._local_factory is not None else 5.0,
+                                                      max(0.2, self.deadline_s / 2)))
         with self._lock:
             fresh, link.link_stats = link.link_stats, self.link_stats
             _add_link_stats(self.link_stats, fresh)
@@ -495,14 +507,19 @@ class FailoverVerifier:
             try:
                 if v.committed != context:
                     v.sync(context)
-                    self.counters["remote_syncs"] += 1
+                    with self._lock:
+                        self.counters["remote_syncs"] += 1
                 return v, (op(v) if op is not None else None)
             except BaseException as exc:
                 if is_failure(exc):  # this link is finished: nobody uses it again
                     _close_quietly(v)
                 raise
 
-        call = _Call(work, name=f"edgespec-failover-{what.replace(' ', '-')}")
+        def late(answered: bool) -> None:
+            with self._lock:
+                self.counters["late_answers" if answered else "late_failures"] += 1
+
+        call = _Call(work, name=f"edgespec-failover-{what.replace(' ', '-')}", on_late=late)
         try:
             return call.wait(timeout_s)
         except _Timeout:
@@ -648,9 +665,11 @@ class FailoverVerifier:
                     return
                 self.counters["probes"] += 1
             ok, detail = self._health()
-            self.last_probe = detail
+            with self._lock:
+                self.last_probe = detail
+                if not ok:
+                    self.counters["probe_failures"] += 1
             if not ok:
-                self.counters["probe_failures"] += 1
                 self._publish()
                 continue
             with self._lock:
@@ -662,8 +681,9 @@ class FailoverVerifier:
                     link.sync(context)
             except Exception as exc:  # noqa: BLE001 - try again at the next interval
                 _close_quietly(link)
-                self.counters["probe_failures"] += 1
-                self.last_probe = f"healthy, but attaching failed: {type(exc).__name__}: {exc}"
+                with self._lock:
+                    self.counters["probe_failures"] += 1
+                    self.last_probe = f"healthy, but attaching failed: {type(exc).__name__}: {exc}"
                 self._publish()
                 continue
             with self._lock:

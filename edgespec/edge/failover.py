@@ -35,11 +35,12 @@ Why no committed token is lost or duplicated, whatever fails and whenever:
   remote answer that arrived before the deadline or the local one, never both (the local side runs
   only after the remote attempt was decided as failed).
 - Every remote operation runs on its own worker thread; the caller waits at most the deadline and
-  then abandons the attempt atomically (`_Call`): an answer arriving later is dropped by the worker,
-  which also closes that link (its stream is cancelled and its channel closed). A link that failed
-  or timed out is never used again: re-attaching means a new channel, Open and a Sync of the full
-  committed context, so nothing the old stream carried (a late Verified, a half-done Sync) can leak
-  into a later step.
+  then abandons the attempt atomically (`_Call`): an answer arriving later is dropped by the worker.
+  The link's own round-trip timeout is set just past the deadline, so an abandoned round trip
+  cancels its stream about CANCEL_GRACE_S after the caller gave up, and the worker then closes the
+  link (channel included). A link that failed or timed out is never used again: re-attaching means
+  a new channel, Open and a Sync of the full committed context, so nothing the old stream carried
+  (a late Verified, a half-done Sync) can leak into a later step.
 - Before every remote or local verify, that side's context is compared with the committed context
   and re-synced when it differs (after local steps the link is behind, after remote steps the local
   target is), so each side always verifies the tree against exactly the committed context.
@@ -84,6 +85,7 @@ DEFAULT_DEADLINE_S = 10.0            # per step, with a local fallback
 NO_FALLBACK_DEADLINE_S = 60.0        # per step without one: waiting is all that can be done
 MIN_ATTACH_TIMEOUT_S = 30.0          # Open + Sync of a whole context (server-side prefill)
 HISTORY = 64                         # events kept in the published snapshot
+CANCEL_GRACE_S = 0.25                # an abandoned round trip cancels its stream this long after the deadline
 
 # Errors about the request itself: the local target would refuse it just the same.
 CLIENT_ERRORS = (InvalidRequestError, ContextOverflowError)
@@ -504,6 +506,9 @@ class FailoverVerifier:
         def work(call: _Call) -> tuple[RemoteVerifier, Any]:
             v = link if link is not None else self._connect()
             call.link = v
+            # Each round trip of this operation gives up (and cancels its stream) shortly after the
+            # caller stopped waiting, so an abandoned attempt does not linger on the verifier.
+            v.timeout_s = timeout_s + CANCEL_GRACE_S
             try:
                 if v.committed != context:
                     v.sync(context)

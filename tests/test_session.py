@@ -105,3 +105,13 @@ def test_cli_bad_input_exit_codes(smol_path, args, message):
 def test_cli_mismatched_tokenizers(smol_path, qwen_paths):
     r = cli("run", "hi", "--local", "--draft", str(smol_path), "--target", str(qwen_paths[1]))
     assert r.returncode == 2 and "token lists" in r.stderr
+
+
+def test_cli_unreachable_verifier_falls_back_or_fails_clearly(smol_path):
+    common = ("run", "Say hi.", "--draft", str(smol_path), "--target", str(smol_path), "--max-tokens", "8",
+              "--verifier", "127.0.0.1:1", "--deadline", "2")
+    r = cli(*common)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and "verifying local" in r.stderr
+    r = cli(*common, "--no-fallback")
+    assert r.returncode == 2 and "no local fallback" in r.stderr

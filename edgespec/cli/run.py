@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from edgespec.cli import CliError
@@ -21,11 +22,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    tree = p.add_argument_group("draft tree")
-    tree.add_argument("--budget", type=int, default=16, help="drafted nodes per step (0 = target only)")
-    tree.add_argument("--depth", type=int, default=6, help="maximum tree depth")
-    tree.add_argument("--branch", type=int, default=4, help="children considered per node")
-    tree.add_argument("--width", type=int, default=4, help="nodes expanded per depth")
+    tree = p.add_argument_group("draft tree (default: sized every step by the cost model)")
+    tree.add_argument("--budget", type=int, help="fixed tree: drafted nodes per step (0 = target only)")
+    tree.add_argument("--depth", type=int, help="fixed tree: maximum depth (default 6)")
+    tree.add_argument("--branch", type=int, help="fixed tree: children considered per node (default 4)")
+    tree.add_argument("--width", type=int, help="fixed tree: nodes expanded per depth (default 4)")
     tree.add_argument("--chain", type=int, metavar="K", help="classic chain speculation with K drafts instead of a tree")
     link = p.add_argument_group("verifier")
     where = link.add_mutually_exclusive_group()
@@ -33,6 +34,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     where.add_argument("--local", action="store_true", help="verify in-process, no gRPC")
     link.add_argument("--token", help="bearer token for the verifier (or EDGESPEC_TOKEN)")
     link.add_argument("--tls-ca", metavar="PEM", help="CA certificate to verify the verifier's TLS certificate")
+    link.add_argument("--deadline", type=float, metavar="SECONDS", help="per-step deadline before a step is verified locally")
+    link.add_argument("--probe-interval", type=float, default=2.0, metavar="SECONDS",
+                      help="how often to probe a failed verifier for re-attaching (default %(default)s)")
+    link.add_argument("--no-fallback", action="store_true", help="fail instead of verifying locally when the link breaks")
     p.add_argument("--n-ctx", type=int, default=4096)
     p.add_argument("--json-stats", action="store_true", help="print the final stats as JSON on stderr")
     p.set_defaults(func=run)
@@ -50,16 +55,21 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens <= 0:
         raise CliError(f"--max-tokens must be > 0, got {args.max_tokens}")
     try:
-        shape = TreeShape.chain(args.chain) if args.chain else TreeShape(
-            budget=args.budget, max_depth=args.depth, top_k=args.branch, width=args.width)
+        shape = choose_shape(args, TreeShape)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
     link = {}
     if args.local:
         link["local"] = True
-    elif args.verifier:
-        link.update(verifier=args.verifier, token=args.token or os.environ.get("EDGESPEC_TOKEN"), tls=args.tls_ca)
+    else:
+        if not args.verbose:  # switches are reported below, in one line each
+            logging.getLogger("edgespec.failover").setLevel(logging.ERROR)
+        link.update(fallback=not args.no_fallback, deadline_s=args.deadline, probe_interval_s=args.probe_interval,
+                    on_switch=lambda e: print(f"\n[edgespec] verifying {e.to_mode} from step {e.step}: {e.reason}",
+                                              file=sys.stderr, flush=True))
+        if args.verifier:
+            link.update(verifier=args.verifier, token=args.token or os.environ.get("EDGESPEC_TOKEN"), tls=args.tls_ca)
     with EdgeSession(args.draft, args.target, tree=shape, n_ctx=args.n_ctx, **link) as session:
         for chunk in session.chat(messages, stream=True, max_tokens=args.max_tokens, temperature=args.temperature,
                                   top_p=args.top_p, top_k=args.top_k, seed=args.seed):
@@ -74,3 +84,12 @@ def run(args: argparse.Namespace) -> int:
                               "link": s.link.as_dict() if s.link is not None else None, **s.extra},
                              default=str), file=sys.stderr)
     return 0
+
+
+def choose_shape(args: argparse.Namespace, tree_shape: type) -> object | None:
+    """A fixed TreeShape when any tree option was given, else None (the planner sizes each tree)."""
+    if args.chain:
+        return tree_shape.chain(args.chain)
+    given = {k: v for k, v in (("budget", args.budget), ("max_depth", args.depth), ("top_k", args.branch),
+                                 ("width", args.width)) if v is not None}
+    return tree_shape(**given) if given else None

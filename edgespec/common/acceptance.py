@@ -15,7 +15,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from edgespec.common.errors import ContextOverflowError, InvalidTreeError
 from edgespec.common.rng import Purpose, generator
+from edgespec.common.sampling import SamplingParams, probabilities, top2_margin
 from edgespec.common.tree import TokenTree
 
 
@@ -81,3 +83,38 @@ def accept_sampled(tree: TokenTree, target_probs: Callable[[int], np.ndarray], s
             return Acceptance(path, token)
         node = kids[node][child]
         path.append(node)
+
+
+# -- one verification step, shared by every verifier backend (llama.cpp, torch) ------------------
+def check_context(committed: Sequence[int], vocab_size: int, n_ctx: int, max_depth: int) -> None:
+    """Raise unless `committed` can be adopted: non-empty, valid ids, room left for a deepest tree."""
+    if not committed:
+        raise InvalidTreeError("the committed context is empty")
+    bad = [t for t in committed if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidTreeError(f"context token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+    if len(committed) + max_depth + 1 > n_ctx:
+        raise ContextOverflowError(f"context of {len(committed)} tokens does not fit n_ctx={n_ctx}")
+
+
+def check_tree(tree: TokenTree, committed: Sequence[int], vocab_size: int, max_nodes: int, max_depth: int,
+               sampling: SamplingParams) -> None:
+    """Raise InvalidTreeError unless `tree` may be verified after `committed` (its root is the last token)."""
+    tree.validate(vocab_size, max_nodes=max_nodes, max_depth=max_depth, require_q=not sampling.greedy)
+    if not committed or tree.tokens[0] != committed[-1]:
+        raise InvalidTreeError(f"tree root {int(tree.tokens[0])} is not the last committed token")
+
+
+def accept_logits(tree: TokenTree, sampling: SamplingParams, step: int, argmax: Sequence[int],
+                  row: Callable[[int], np.ndarray]) -> tuple[Acceptance, list[float]]:
+    """Acceptance from the target's per-node logits, and the top-2 margin at each decided node.
+
+    argmax: the target's argmax per node (used in greedy mode); row(i): node i's logits as a float
+    array (sampled mode, and the margins). Decided nodes are the root and the accepted path: the
+    nodes whose logits chose a committed token.
+    """
+    if sampling.greedy:
+        acc = accept_greedy(tree, argmax)
+    else:
+        acc = accept_sampled(tree, lambda node: probabilities(row(node), sampling), sampling.seed, step)
+    return acc, [top2_margin(row(n)) for n in (0, *acc.path)]

@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgespec.common.acceptance import accept_greedy, accept_sampled
-from edgespec.common.errors import ContextOverflowError, InvalidTreeError
-from edgespec.common.sampling import SamplingParams, probabilities, top2_margin
+from edgespec.common.acceptance import accept_logits, check_context, check_tree
+from edgespec.common.sampling import SamplingParams
 from edgespec.common.tree import TokenTree
 from edgespec.runtime.llama import ContextConfig, LlamaModel, TreeContext
 
@@ -44,33 +43,18 @@ class LlamaTreeVerifier:
 
     def sync(self, committed: list[int]) -> None:
         """Adopt the caller's committed context (new conversation, new turn, or resync)."""
-        if not committed:
-            raise InvalidTreeError("the committed context is empty")
-        bad = [t for t in committed if not 0 <= t < self.model.n_vocab]
-        if bad:
-            raise InvalidTreeError(f"context token id {bad[0]} outside the vocabulary [0, {self.model.n_vocab})")
-        if len(committed) + self.max_depth + 1 > self.ctx.n_ctx:
-            raise ContextOverflowError(f"context of {len(committed)} tokens does not fit n_ctx={self.ctx.n_ctx}")
+        check_context(committed, self.model.n_vocab, self.ctx.n_ctx, self.max_depth)
         self.ctx.sync(committed[:-1]) if len(committed) > 1 else self.ctx.truncate(0)
         self.committed = list(committed)
 
     def verify(self, tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult:
         """Check the whole tree in one decode and commit the accepted path plus one target token."""
-        tree.validate(self.model.n_vocab, max_nodes=self.max_nodes, max_depth=self.max_depth,
-                      require_q=not sampling.greedy)
-        if not self.committed or tree.tokens[0] != self.committed[-1]:
-            raise InvalidTreeError(f"tree root {int(tree.tokens[0])} is not the last committed token")
+        check_tree(tree, self.committed, self.model.n_vocab, self.max_nodes, self.max_depth, sampling)
         started = time.perf_counter()
         logits, leaf_seq = self.ctx.decode_tree(tree.tokens.tolist(), tree.parents.tolist())
-        if sampling.greedy:
-            acc = accept_greedy(tree, logits.argmax(axis=1))
-        else:
-            acc = accept_sampled(tree, lambda node: probabilities(logits[node], sampling), sampling.seed, step)
-        decided_at = [0, *acc.path]
+        acc, margins = accept_logits(tree, sampling, step, logits.argmax(axis=1), logits.__getitem__)
         accepted_tokens = tree.tokens[acc.path].tolist()
-        self.ctx.adopt_branch(leaf_seq[decided_at[-1]], [int(tree.tokens[0]), *accepted_tokens])
+        self.ctx.adopt_branch(leaf_seq[acc.path[-1] if acc.path else 0], [int(tree.tokens[0]), *accepted_tokens])
         committed = [*accepted_tokens, acc.next_token]
         self.committed.extend(committed)
-        return VerifyResult(path=acc.path, tokens=committed,
-                            margins=[top2_margin(logits[n]) for n in decided_at],
-                            compute_s=time.perf_counter() - started)
+        return VerifyResult(path=acc.path, tokens=committed, margins=margins, compute_s=time.perf_counter() - started)

@@ -51,8 +51,15 @@ if ! "$VENV/bin/python" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version_
   "${PIP[@]}" install -c constraints/ci.txt "typing-extensions>=4.5" "diskcache>=5.6.1" "jinja2>=2.11.3"
 fi
 
+# torch for the torch verifier backend: pinned explicitly first, so that the `torch` extra below is
+# already satisfied (an unpinned `torch` would pull the multi-GB CUDA build on a CPU machine).
+if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+  echo "[setup] installing torch 2.13.0"
+  "${PIP[@]}" install -c constraints/ci.txt "torch==2.13.0"
+fi
+
 echo "[setup] installing edgespec and its dependencies"
-"${PIP[@]}" install -c constraints/ci.txt -e ".[edge,verifier,dev,bench]"
+"${PIP[@]}" install -c constraints/ci.txt -e ".[edge,verifier,dev,bench,torch]"
 
 for m in $MODELS; do
   "$VENV/bin/edgespec" models fetch "$m"

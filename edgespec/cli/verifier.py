@@ -1,6 +1,7 @@
 """`edgespec verifier`: run the bundled verifier service, or ask one what it serves.
 
   edgespec verifier serve [--model NAME|PATH] [--host H] [--port P] [--token T] [--tls-cert C --tls-key K]
+                          [--backend llama|torch] [--device cpu|cuda] [--dtype float32|bfloat16]
   edgespec verifier info ADDRESS [--token T] [--tls | --tls-ca FILE]
 
 `serve` prints one machine-readable line to stdout once it accepts connections,
@@ -29,7 +30,7 @@ log = logging.getLogger("edgespec.verifier")
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from edgespec.common import modelstore
-    from edgespec.verifier.backends import LlamaCpuBackend
+    from edgespec.verifier.backends import create_backend
     from edgespec.verifier.server import VerifierServer
 
     token = args.token or os.environ.get("EDGESPEC_TOKEN") or None
@@ -37,9 +38,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("--tls-cert and --tls-key go together")
     model = "target" if args.model == "default" else args.model
     path = modelstore.resolve(model, fetch_missing=False, progress=False)
+    if args.backend != "torch" and (args.device or args.dtype):
+        raise CliError("--device and --dtype apply to --backend torch only (llama.cpp: --n-gpu-layers)")
     try:
-        backend = LlamaCpuBackend(path, n_ctx=args.n_ctx, max_nodes=args.max_nodes, max_depth=args.max_depth,
-                                  n_threads=args.threads, n_gpu_layers=args.n_gpu_layers)
+        backend = create_backend(args.backend, path, n_ctx=args.n_ctx, max_nodes=args.max_nodes,
+                                 max_depth=args.max_depth, threads=args.threads, n_gpu_layers=args.n_gpu_layers,
+                                 device=args.device or "cpu", dtype=args.dtype, max_sessions=args.max_sessions)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     try:
@@ -57,7 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server.start()
     info = backend.info
     print(f"{READY_PREFIX}{server.address}", flush=True)
-    print(f"edgespec verifier: serving {info.model_id} ({path}), n_ctx {info.n_ctx}, "
+    print(f"edgespec verifier: serving {info.model_id} ({path}) on {info.backend}, n_ctx {info.n_ctx}, "
           f"{server.registry.max_live} KV slots, tls {'on' if server.tls else 'off'}, "
           f"auth {'on' if token else 'OFF'}", file=sys.stderr, flush=True)
     parent = os.getppid()
@@ -114,8 +118,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-depth", type=int, default=32, help="deepest tree accepted")
     p.add_argument("--idle-timeout-s", type=float, default=600.0,
                    help="free the KV of sessions idle this long (0: never)")
-    p.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads of llama.cpp or torch (default 1)")
     p.add_argument("--n-gpu-layers", type=int, default=0, help="layers offloaded to a GPU build of llama.cpp")
+    p.add_argument("--backend", choices=("llama", "torch"), default="llama",
+                   help="llama: llama.cpp (default); torch: the torch engine over a paged KV cache "
+                        "(needs edgespec[torch]; float32 on the CPU is the exact reference)")
+    p.add_argument("--device", default=None, help="torch backend: cpu (default), cuda or cuda:N")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="torch backend: weight and KV dtype (default float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_serve)
 

@@ -1,0 +1,137 @@
+"""TorchBackend: the verifier's target model in torch, over a paged KV cache (CPU or CUDA).
+
+    backend = TorchBackend(path)                                   # float32 on the CPU: exact reference
+    backend = TorchBackend(path, device="cuda")                    # bfloat16 on a GPU
+    session = backend.open_session(); session.sync(prompt); session.verify(tree, sampling, step)
+
+Same contract as LlamaCpuBackend (verifier/backends.py), same acceptance code (common/acceptance.py:
+check_context, check_tree, accept_logits), so the service cannot tell them apart except by
+`ModelInfo.backend`. Invariant, as in the llama.cpp verifier: a session's KV sequence holds every
+committed token except the last one, which is the root of the next tree.
+
+Prefix sharing: when a session syncs, it adopts the full blocks of the longest common prefix held
+by any other live session (system prompts, a resent conversation) instead of recomputing them.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from edgespec.common.acceptance import accept_logits, check_context, check_tree
+from edgespec.common.sampling import SamplingParams
+from edgespec.common.tree import MAX_TREE_NODES, TokenTree
+from edgespec.runtime.tree_verifier import VerifyResult
+from edgespec.verifier.backends import Backend, BackendSession, ModelInfo, model_identity
+from edgespec.verifier.torch import gguf_weights
+from edgespec.verifier.torch.engine import Engine
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class TorchSession(BackendSession):
+    def __init__(self, backend: "TorchBackend") -> None:
+        self.backend = backend
+        self.engine = backend.engine
+        self.seq = self.engine.new_sequence()
+        self.committed: list[int] = []
+        backend._sessions.add(self)
+
+    @property
+    def cached_tokens(self) -> list[int]:
+        """The tokens whose K/V the sequence holds (committed minus the pending root)."""
+        return self.committed[:self.seq.length]
+
+    def sync(self, tokens: list[int]) -> None:
+        b = self.backend
+        check_context(tokens, b.info.vocab_size, b.info.n_ctx, b.info.max_depth)
+        target = list(tokens[:-1])
+        own = _common_prefix(self.cached_tokens, target)
+        donor, shared = None, 0
+        for other in b._sessions:
+            if other is not self and not other.seq.closed:
+                n = _common_prefix(other.cached_tokens, target) // self.engine.cache.block_size
+                if n * self.engine.cache.block_size > max(shared, own):
+                    donor, shared = other, n * self.engine.cache.block_size
+        self.committed = []  # in doubt until the prefill below has finished
+        if donor is not None:
+            self.seq.truncate(0)
+            self.seq.share_prefix(donor.seq, shared)
+        else:
+            self.seq.truncate(own)
+        self.engine.prefill(self.seq, target[self.seq.length:])
+        self.committed = list(tokens)
+
+    def verify(self, tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult:
+        b = self.backend
+        check_tree(tree, self.committed, b.info.vocab_size, b.info.max_nodes, b.info.max_depth, sampling)
+        started = time.perf_counter()
+        out = self.engine.decode([self.seq], [(tree.tokens.tolist(), tree.parents.tolist())])
+        logits = out.logits[0, :len(tree)]
+        argmax = logits.argmax(dim=-1).cpu().numpy()
+        acc, margins = accept_logits(tree, sampling, step, argmax, lambda n: logits[n].float().cpu().numpy())
+        self.engine.commit(self.seq, out, 0, [0, *acc.path])
+        committed = [*tree.tokens[acc.path].tolist(), acc.next_token]
+        self.committed.extend(committed)
+        return VerifyResult(path=acc.path, tokens=committed, margins=margins, compute_s=time.perf_counter() - started)
+
+    @property
+    def committed_length(self) -> int:
+        return len(self.committed)
+
+    def close(self) -> None:
+        self.seq.close()
+        self.backend._sessions.discard(self)
+
+
+class TorchBackend(Backend):
+    """One Decoder and one paged KV cache, sized for `max_sessions` full contexts, shared by all sessions."""
+
+    def __init__(self, model_path: str | os.PathLike, *, device: str = "cpu", dtype: str | None = None,
+                 n_ctx: int = 4096, max_nodes: int = 128, max_depth: int = 32, max_k: int = 64,
+                 max_sessions: int = 4, block_size: int = 16, threads: int | None = None,
+                 model_id: str | None = None) -> None:
+        if not 2 <= max_nodes <= MAX_TREE_NODES:
+            raise ValueError(f"max_nodes must be in [2, {MAX_TREE_NODES}], got {max_nodes}")
+        if n_ctx < max_depth + 2:
+            raise ValueError(f"n_ctx {n_ctx} is too small for trees of depth {max_depth}")
+        dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("--device cuda asked for, but torch sees no CUDA device")
+        if threads:
+            torch.set_num_threads(threads)
+        reader = gguf_weights.open_gguf(model_path)
+        fingerprint = gguf_weights.tokenizer_fingerprint(reader)
+        self.model = gguf_weights.load_decoder(reader, dtype=DTYPES[dtype], device=device, max_positions=n_ctx)
+        del reader
+        blocks_per_session = -(-n_ctx // block_size)
+        self.engine = Engine(self.model, num_blocks=max_sessions * blocks_per_session + 1, block_size=block_size)
+        self._sessions: set[TorchSession] = set()
+        c = self.model.config
+        mid, aliases = model_identity(model_path)
+        self.info = ModelInfo(
+            model_id=model_id or mid, aliases=aliases if model_id is None else (mid, *aliases),
+            tokenizer_hash=fingerprint, vocab_size=c.vocab_size, n_ctx=n_ctx, max_nodes=max_nodes,
+            max_depth=max_depth, max_k=max_k, backend=f"torch-{torch.device(device).type}-{dtype}",
+            kv_bytes_per_session=blocks_per_session * self.engine.cache.bytes_per_block,
+            extra={"path": str(model_path), "arch": c.arch, "block_size": block_size,
+                   "num_blocks": self.engine.cache.pool.num_blocks})
+
+    def open_session(self) -> TorchSession:
+        return TorchSession(self)
+
+    def close(self) -> None:
+        for s in list(self._sessions):
+            s.close()

@@ -1,0 +1,192 @@
+"""The paged KV cache: fixed-size blocks in one preallocated tensor, one block table per sequence.
+
+    cache = PagedKVCache(n_layer, n_head_kv, head_dim, num_blocks=257, block_size=16)
+    seq = cache.new_sequence()
+    seq.append(rows)           # rows: [n_layer, 2, n, Hkv, D], the K/V of the next n positions
+    seq.truncate(100)          # keep positions 0..99
+    other = cache.new_sequence(); other.share_prefix(seq, 100)   # adopts the 6 full blocks
+    cache.gather(layer, cache.block_tables([seq, other]))        # [2, B, nb*bs, Hkv, D]
+    seq.close(); other.close()
+
+Memory: `kv[layer]` is [2, num_blocks, block_size, Hkv, D] (K then V), a view of one allocation
+made up front. Sequence position p lives in block `blocks[p // block_size]` at offset
+`p % block_size`. The pool (block_pool.py) keeps the free list and the refcounts.
+
+Sharing rule (no copy-on-write machinery): only full blocks are shared, and a sequence writes only
+into its tail block, which is private whenever it is partly filled. The one case that would break
+that, truncating into the middle of a shared block, copies that one block first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+import torch
+
+from edgespec.verifier.torch.block_pool import NULL_BLOCK, BlockPool
+
+
+@dataclass(frozen=True)
+class CacheReport:
+    """Occupancy and fragmentation: paged memory wastes at most one partly filled block per sequence."""
+
+    block_size: int
+    num_blocks: int            # usable blocks
+    free_blocks: int
+    used_blocks: int
+    shared_blocks: int         # used by more than one sequence (common prefixes)
+    sequences: int
+    tokens: int                # positions held, summed over sequences (shared ones counted per sequence)
+    partial_blocks: int        # tail blocks not yet full
+    empty_slots_in_partial: int
+    filled_slots: int          # distinct slots holding K/V (shared ones counted once)
+
+    @property
+    def utilization(self) -> float:
+        """Filled slots / slots of used blocks (1.0 = no internal fragmentation)."""
+        return self.filled_slots / (self.used_blocks * self.block_size) if self.used_blocks else 1.0
+
+    def summary(self) -> str:
+        return (f"{self.used_blocks}/{self.num_blocks} blocks used ({self.free_blocks} free, {self.shared_blocks} "
+                f"shared), {self.sequences} sequences, {self.tokens} tokens, {self.partial_blocks} partial tail "
+                f"blocks with {self.empty_slots_in_partial} empty slots, utilization {self.utilization:.3f}")
+
+
+class PagedKVCache:
+    def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, *, num_blocks: int, block_size: int = 16,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.kv = torch.zeros(n_layer, 2, num_blocks, block_size, n_head_kv, head_dim, dtype=dtype, device=device)
+        self._slots = self.kv.view(n_layer, 2, num_blocks * block_size, n_head_kv, head_dim)
+        self._sequences: set[Sequence] = set()
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.kv[:, :, 0].numel() * self.kv.element_size()
+
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    def new_sequence(self) -> "Sequence":
+        seq = Sequence(self)
+        self._sequences.add(seq)
+        return seq
+
+    # -- reading ------------------------------------------------------------------------------
+    def block_tables(self, seqs: Seq["Sequence"], n_blocks: int | None = None) -> torch.Tensor:
+        """[B, n_blocks] int64 block ids, padded with the null block (default: the longest table)."""
+        width = max((len(s.blocks) for s in seqs), default=0) if n_blocks is None else n_blocks
+        rows = [s.blocks + [NULL_BLOCK] * (width - len(s.blocks)) for s in seqs]
+        return torch.tensor(rows, dtype=torch.int64).reshape(len(seqs), width).to(self.device)
+
+    def gather(self, layer: int, tables: torch.Tensor) -> torch.Tensor:
+        """The K/V of the blocks in `tables` [B, nb], in position order: [2, B, nb*block_size, Hkv, D]."""
+        return self.kv[layer][:, tables].flatten(2, 3)
+
+    # -- writing (through Sequence) -----------------------------------------------------------
+    def _write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        self._slots[:, :, slots] = rows.to(self.kv.dtype)
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        self.kv[:, :, dst] = self.kv[:, :, src]
+
+    # -- accounting ---------------------------------------------------------------------------
+    def report(self) -> CacheReport:
+        pool = self.pool.stats()
+        filled: dict[int, int] = {}
+        partial = empty = 0
+        for s in self._sequences:
+            for i, b in enumerate(s.blocks):
+                n = min(self.block_size, s.length - i * self.block_size)
+                filled[b] = max(filled.get(b, 0), n)
+            if s.length % self.block_size:
+                partial += 1
+                empty += self.block_size - s.length % self.block_size
+        return CacheReport(block_size=self.block_size, num_blocks=pool.num_blocks, free_blocks=pool.free,
+                           used_blocks=pool.used, shared_blocks=pool.shared, sequences=len(self._sequences),
+                           tokens=sum(s.length for s in self._sequences), partial_blocks=partial,
+                           empty_slots_in_partial=empty, filled_slots=sum(filled.values()))
+
+
+class Sequence:
+    """One session's cached positions 0..length-1 and the blocks holding them."""
+
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+        self.blocks: list[int] = []
+        self.length = 0
+        self.closed = False
+
+    def __len__(self) -> int:
+        return self.length
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this KV sequence was closed")
+
+    def append(self, rows: torch.Tensor) -> None:
+        """Write the K/V of positions length..length+n-1; rows: [n_layer, 2, n, Hkv, D]."""
+        self._check_open()
+        c = self.cache
+        if rows.dim() != 5 or rows.shape[:2] != c.kv.shape[:2] or rows.shape[3:] != c.kv.shape[4:]:
+            raise ValueError(f"K/V rows of shape {tuple(rows.shape)} do not fit this cache "
+                             f"([{c.n_layer}, 2, n, {c.n_head_kv}, {c.head_dim}] expected)")
+        n = rows.shape[2]
+        bs = self.cache.block_size
+        need = self.cache.blocks_for(self.length + n) - len(self.blocks)
+        if need > 0:
+            self.blocks += self.cache.pool.allocate(need)
+        positions = torch.arange(self.length, self.length + n)
+        table = torch.tensor(self.blocks, dtype=torch.int64)
+        slots = table[positions // bs] * bs + positions % bs
+        self.cache._write(slots.to(self.cache.device), rows)
+        self.length += n
+
+    def truncate(self, n: int) -> None:
+        """Keep positions 0..n-1; blocks past them go back to the pool."""
+        self._check_open()
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot truncate a sequence of {self.length} positions to {n}")
+        keep = self.cache.blocks_for(n)
+        self.cache.pool.release(self.blocks[keep:])
+        del self.blocks[keep:]
+        self.length = n
+        if n % self.cache.block_size and self.cache.pool.refcount[self.blocks[-1]] > 1:
+            # The tail is now partly filled and will be written to: it must be ours alone.
+            (private,) = self.cache.pool.allocate(1)
+            self.cache._copy_block(self.blocks[-1], private)
+            self.cache.pool.release([self.blocks[-1]])
+            self.blocks[-1] = private
+
+    def share_prefix(self, other: "Sequence", n_tokens: int) -> int:
+        """Adopt the full blocks of other's first n_tokens positions (this sequence must be empty).
+
+        Returns the number of positions adopted (a multiple of block_size, maybe 0)."""
+        self._check_open()
+        other._check_open()
+        if self.length or self.blocks:
+            raise ValueError("share_prefix needs an empty sequence (truncate(0) first)")
+        if other.cache is not self.cache:
+            raise ValueError("sequences of different caches cannot share blocks")
+        full = min(n_tokens, other.length) // self.cache.block_size
+        shared = other.blocks[:full]
+        self.cache.pool.share(shared)
+        self.blocks = list(shared)
+        self.length = full * self.cache.block_size
+        return self.length
+
+    def close(self) -> None:
+        """Give every block back (shared ones stay with their other owners)."""
+        if self.closed:
+            return
+        self.cache.pool.release(self.blocks)
+        self.blocks, self.length, self.closed = [], 0, True
+        self.cache._sequences.discard(self)

@@ -19,4 +19,4 @@ def test_pipelined_remote_session_is_lossless(smol_path, smol_model, tree):
         assert stats.prepared_hits > 0, "no tree drafted ahead was ever used"
         if tree is None:
             planner = stats.extra["planner"]
-            assert planner["steps"] == stats.steps and planner["verify_ms_per_node"] >= 0
+            assert planner["steps"] == stats.steps and planner["verify_ms_per_node"] > 0

@@ -149,7 +149,7 @@ class Decoder:
         if shape.budget == 0:  # target-only decoding (the baseline): one token per step
             return Draft(TokenTree.chain(committed[-1], []), [0], np.ones(1))
         draft = self.drafter.grow(committed, shape, sampling, step, stop=stop)
-        if self.planner:
+        if self.planner and not self.planner.exploring:
             q_per_node = float(draft.tree.q_tokens.shape[1])
             draft = draft.pruned(self.planner.prune_size(draft.scores[1:], draft.decodes, q_per_node))
         return draft
@@ -176,7 +176,7 @@ class Decoder:
         s.draft_seconds += sent - started
         s.verify_seconds += answered - sent
         s.seconds += answered - started
-        if self.planner is not None and len(draft.tree) > 1:
+        if self.planner is not None:
             accepted = np.zeros(len(draft.tree) - 1, bool)
             accepted[np.array(result.path, int) - 1] = True
             self.planner.observe(StepObservation(

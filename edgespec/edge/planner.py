@@ -30,7 +30,7 @@ LADDER: tuple[TreeShape, ...] = (
     TreeShape(budget=32, max_depth=8, top_k=4, width=6),
     TreeShape(budget=64, max_depth=10, top_k=6, width=8),
 )
-BYTES_PER_NODE = 12        # tokens + parents (int32) and a little framing, greedy trees
+BYTES_PER_NODE = 8         # tokens + parents (int32), greedy trees (measured: docs/BENCHMARKS.md)
 BYTES_PER_Q_ENTRY = 6      # token (int32) + weight (uint16), sampled trees
 SCORE_BINS = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.01])
 
@@ -51,7 +51,12 @@ class StepObservation:
 
 
 class _LineFit:
-    """y = a + b·x over a window of recent points (least squares, b clamped at >= 0)."""
+    """y = a + b·x over a window of recent points.
+
+    Least squares when the x values spread enough to tell slope from intercept; otherwise the
+    conservative proportional model (a = 0, b = mean y / mean x), which charges all cost to x.
+    That errs towards small trees, and the resulting change in tree size then reveals the slope.
+    """
 
     def __init__(self, window: int = 64, a: float = 0.0, b: float = 0.0) -> None:
         self.points: deque[tuple[float, float]] = deque(maxlen=window)
@@ -60,12 +65,12 @@ class _LineFit:
     def add(self, x: float, y: float) -> None:
         self.points.append((x, y))
         xs, ys = np.array(self.points).T
-        if len(self.points) >= 3 and np.ptp(xs) > 0:
-            b, a = np.polyfit(xs, ys, 1)
+        if len(self.points) >= 3 and np.ptp(xs) > 0.25 * np.mean(xs):
+            b, _ = np.polyfit(xs, ys, 1)
             self.b = max(float(b), 0.0)
-            self.a = float(np.mean(ys) - self.b * np.mean(xs))
-        else:
-            self.a, self.b = float(np.mean(ys) - self.b * np.mean(xs)), self.b
+            self.a = max(float(np.mean(ys) - self.b * np.mean(xs)), 0.0)
+        elif np.mean(xs) > 0:
+            self.a, self.b = 0.0, float(np.mean(ys) / np.mean(xs))
 
     def __call__(self, x: float) -> float:
         return max(self.a + self.b * x, 0.0)
@@ -78,22 +83,30 @@ class Planner:
     ladder: tuple[TreeShape, ...] = LADDER
     explore_every: int = 16
     network: _LineFit = field(default_factory=lambda: _LineFit(a=0.0, b=1 / 12.5e6))   # 100 Mbit/s prior
-    verify: _LineFit = field(default_factory=lambda: _LineFit(a=0.02, b=0.004))
+    # Prior: a CPU-like 50 ms per node, so the first trees are small until measurements arrive.
+    verify: _LineFit = field(default_factory=lambda: _LineFit(a=0.0, b=0.05))
     draft_per_decode_s: float = 0.03
     queue_s: float = 0.0
     hits: np.ndarray = field(default_factory=lambda: np.ones(len(SCORE_BINS) - 1))
     trials: np.ndarray = field(default_factory=lambda: np.ones(len(SCORE_BINS) - 1) * 2)
     steps: int = 0
-    last_choice: int = 3
+    last_choice: int = 1
+    realized: dict[int, tuple[int, float]] = field(default_factory=dict)  # rung -> (count, mean tokens/step)
 
     # -- learning -----------------------------------------------------------------------------
     def observe(self, obs: StepObservation) -> None:
         self.steps += 1
         self.network.add(obs.bytes_up, obs.network_s)
+        if obs.nodes == 0:  # pruned to the root: only the link and verifier figures are news
+            self.verify.add(1, obs.verify_s)
+            return
         self.verify.add(obs.nodes + 1, obs.verify_s)
         self.queue_s = 0.8 * self.queue_s + 0.2 * obs.queue_s
         if obs.draft_decodes:
             self.draft_per_decode_s = 0.8 * self.draft_per_decode_s + 0.2 * obs.draft_s / obs.draft_decodes
+        count, mean = self.realized.get(self.last_choice, (0, 0.0))
+        tokens = 1.0 + float(obs.accepted.sum())
+        self.realized[self.last_choice] = (count + 1, mean + (tokens - mean) / min(count + 1, 16))
         bins = np.clip(np.digitize(obs.scores, SCORE_BINS) - 1, 0, len(self.hits) - 1)
         np.add.at(self.trials, bins, 1.0)
         np.add.at(self.hits, bins, obs.accepted.astype(float))
@@ -117,9 +130,14 @@ class Planner:
         verify = (self.verify.a + self.verify.b * (nodes + 1)) * self.load_factor
         return decodes * self.draft_per_decode_s + self.network(up) + verify
 
-    def expected_tokens(self, shape: TreeShape) -> float:
-        """1 + expected accepted drafts for a shape, from the calibrated acceptance of a typical
-        tree: depth d of a chain is accepted with prob a^d, a = acceptance at the top bins."""
+    def expected_tokens(self, rung: int) -> float:
+        """1 + expected accepted drafts for a ladder rung: the running mean of what it achieved
+        (after 3 uses), else a guess from the calibrated acceptance of a typical tree (depth d of
+        a chain is accepted with probability a^d, a = acceptance of confident nodes)."""
+        count, mean = self.realized.get(rung, (0, 0.0))
+        if count >= 3:
+            return mean
+        shape = self.ladder[rung]
         if shape.budget == 0:
             return 1.0
         a = float(self.acceptance(np.array([0.9]))[0])
@@ -129,11 +147,16 @@ class Planner:
         return 1 + sum(a_eff ** d for d in range(1, shape.max_depth + 1))
 
     # -- decisions ----------------------------------------------------------------------------
+    @property
+    def exploring(self) -> bool:
+        """Every explore_every steps try a neighbouring shape, unpruned, so estimates stay fresh."""
+        return self.steps > 0 and self.steps % self.explore_every == 0
+
     def choose(self) -> TreeShape:
         """The ladder shape with the best predicted tokens/second (with periodic exploration)."""
-        rates = [self.expected_tokens(s) / self.step_seconds(s.budget, s.max_depth) for s in self.ladder]
+        rates = [self.expected_tokens(i) / self.step_seconds(s.budget, s.max_depth) for i, s in enumerate(self.ladder)]
         best = int(np.argmax(rates))
-        if self.steps and self.steps % self.explore_every == 0:
+        if self.exploring:
             best = min(len(self.ladder) - 1, best + 1) if self.steps % (2 * self.explore_every) else max(0, best - 1)
         self.last_choice = best
         return self.ladder[best]

@@ -10,6 +10,7 @@ run: setup
 	.venv/bin/edgespec run "$(PROMPT)"
 
 test: setup
+	.venv/bin/ruff check edgespec tests tools
 	.venv/bin/python -m pytest $(PYTEST_ARGS)
 
 bench: setup

@@ -315,7 +315,7 @@ def test_too_many_streams(small_server, fingerprint, prompts):
 
 def test_kv_slots_all_in_flight_is_resource_exhausted(smol_path):
     """Registry level, real backend: the only slot belongs to a session with a queued request."""
-    from edgespec.verifier.backends import LlamaCpuBackend
+    from edgespec.verifier.llama_backend import LlamaCpuBackend
     from edgespec.verifier.sessions import SessionRegistry
 
     backend = LlamaCpuBackend(smol_path, n_ctx=256)

@@ -241,8 +241,8 @@ def time_graph(engine: Engine, x, timer: Timer, args: argparse.Namespace) -> flo
 
 def table(result: dict) -> str:
     m = result["meta"]
-    lines = [f"| batch | tree tokens T | tokens per forward | step (ms) | forward eager (ms) | forward CUDA graph (ms) "
-             f"| HF step (ms) | floor (ms) | step / floor | graph / floor |",
+    lines = ["| batch | tree tokens T | tokens per forward | step (ms) | forward eager (ms) | forward CUDA graph (ms) "
+             "| HF step (ms) | floor (ms) | step / floor | graph / floor |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     def ms(v: float | None, fmt: str = ".2f") -> str:
         return "—" if v is None else format(v, fmt)

@@ -16,7 +16,6 @@ import os
 import platform
 import random
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 

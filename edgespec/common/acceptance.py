@@ -10,7 +10,7 @@ Drafts therefore never repeat a sibling, and pruning must keep a prefix of each 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
@@ -25,6 +25,21 @@ from edgespec.common.tree import TokenTree
 class Acceptance:
     path: list[int]   # accepted drafted nodes, root excluded, in order
     next_token: int   # the target's own token after the path (bonus or residual sample)
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """What a verifier returns for one tree: the same from every backend, local or remote."""
+
+
+    path: list[int]              # accepted drafted nodes (root excluded)
+    tokens: list[int]            # what is committed: accepted tokens + the target's next token
+    margins: list[float] = field(default_factory=list)  # target top-2 logit gap per committed token
+    compute_s: float = 0.0       # the target's decode + acceptance time
+    queue_s: float = 0.0         # time the request waited at a (remote) verifier
+    network_s: float = 0.0       # round-trip wall time minus queue and compute (0 in-process)
+    bytes_up: int = 0            # serialized request size (0 in-process)
+    bytes_down: int = 0
 
 
 def draw_without_replacement(q: np.ndarray, m: int, rng: np.random.Generator) -> np.ndarray:

@@ -23,9 +23,15 @@ import grpc
 import numpy as np
 
 from edgespec.common import errors
-from edgespec.common.errors import (ContextOverflowError, EdgespecError, InvalidRequestError,
-                                    InvalidTreeError, ModelError, TokenizerMismatchError,
-                                    VerifierUnavailableError)
+from edgespec.common.errors import (
+    ContextOverflowError,
+    EdgespecError,
+    InvalidRequestError,
+    InvalidTreeError,
+    ModelError,
+    TokenizerMismatchError,
+    VerifierUnavailableError,
+)
 from edgespec.common.sampling import SamplingParams
 from edgespec.common.tree import TokenTree
 from edgespec.v1 import edgespec_pb2 as pb

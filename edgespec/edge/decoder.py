@@ -18,11 +18,11 @@ from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 
+from edgespec.common.acceptance import VerifyResult
 from edgespec.common.sampling import SamplingParams
 from edgespec.common.tree import TokenTree
 from edgespec.edge.drafting import Draft, Drafter, TreeShape
 from edgespec.edge.planner import Planner, StepObservation
-from edgespec.runtime.tree_verifier import VerifyResult
 
 
 class Verifier(Protocol):

@@ -17,7 +17,12 @@ import numpy as np
 
 from edgespec.common.acceptance import draw_without_replacement
 from edgespec.common.rng import Purpose, generator
-from edgespec.common.sampling import SamplingParams, dequantize, probabilities, quantize_draft
+from edgespec.common.sampling import (
+    SamplingParams,
+    dequantize,
+    probabilities,
+    quantize_draft,
+)
 from edgespec.common.tree import TokenTree
 from edgespec.runtime.llama import ContextConfig, LlamaModel, TreeContext
 

@@ -21,7 +21,6 @@ import tempfile
 import threading
 import time
 import weakref
-from pathlib import Path
 from typing import Sequence
 
 import grpc

@@ -68,14 +68,26 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edgespec.common import modelstore, wire
-from edgespec.common.errors import (ContextOverflowError, EdgespecError, InvalidRequestError, InvalidTreeError,
-                                    ModelError, TokenizerMismatchError, VerifierUnavailableError)
+from edgespec.common.acceptance import VerifyResult
+from edgespec.common.errors import (
+    ContextOverflowError,
+    EdgespecError,
+    InvalidRequestError,
+    InvalidTreeError,
+    ModelError,
+    TokenizerMismatchError,
+    VerifierUnavailableError,
+)
 from edgespec.common.sampling import SamplingParams
 from edgespec.common.tree import TokenTree
-from edgespec.common.wire import DeadlineExceededError, ProtocolError, UnauthenticatedError
+from edgespec.common.wire import (
+    DeadlineExceededError,
+    ProtocolError,
+    UnauthenticatedError,
+)
 from edgespec.edge.link import LinkStats, RemoteVerifier, make_channel
 from edgespec.runtime.llama import ContextConfig, LlamaModel
-from edgespec.runtime.tree_verifier import LlamaTreeVerifier, VerifyResult
+from edgespec.runtime.tree_verifier import LlamaTreeVerifier
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 

@@ -29,11 +29,15 @@ from pathlib import Path
 import grpc
 
 from edgespec.common import modelstore, wire
+from edgespec.common.acceptance import VerifyResult
 from edgespec.common.errors import EdgespecError, VerifierUnavailableError
 from edgespec.common.sampling import SamplingParams
 from edgespec.common.tree import TokenTree
-from edgespec.common.wire import DeadlineExceededError, UnauthenticatedError, VerifierBusyError
-from edgespec.runtime.tree_verifier import VerifyResult
+from edgespec.common.wire import (
+    DeadlineExceededError,
+    UnauthenticatedError,
+    VerifierBusyError,
+)
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import llama_cpp as C  # noqa: E402  (after numpy: its import prints nothing but is slow)
 import numpy as np
 
 from edgespec.common.errors import ContextOverflowError, ModelError
-
-import llama_cpp as C  # noqa: E402  (after numpy: its import prints nothing but is slow)
 
 _BACKEND_LOCK = threading.Lock()
 _BACKEND_READY = False

@@ -6,26 +6,16 @@ Invariant: the KV cache holds every committed token except the last one (the nex
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
-import numpy as np
-
-from edgespec.common.acceptance import accept_logits, check_context, check_tree
+from edgespec.common.acceptance import (
+    VerifyResult,
+    accept_logits,
+    check_context,
+    check_tree,
+)
 from edgespec.common.sampling import SamplingParams
 from edgespec.common.tree import TokenTree
 from edgespec.runtime.llama import ContextConfig, LlamaModel, TreeContext
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    path: list[int]              # accepted drafted nodes (root excluded)
-    tokens: list[int]            # what is committed: accepted tokens + the target's next token
-    margins: list[float] = field(default_factory=list)  # target top-2 logit gap per committed token
-    compute_s: float = 0.0       # the target's decode + acceptance time
-    queue_s: float = 0.0         # time the request waited at a (remote) verifier
-    network_s: float = 0.0       # round-trip wall time minus queue and compute (0 in-process)
-    bytes_up: int = 0            # serialized request size (0 in-process)
-    bytes_down: int = 0
 
 
 class LlamaTreeVerifier:

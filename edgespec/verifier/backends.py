@@ -3,7 +3,7 @@
 A `Backend` owns the model (weights, vocabulary) and opens `BackendSession`s, each with its own
 KV state (one conversation). The service serialises all calls into a backend through one compute
 worker, so implementations need not be thread-safe; they must only free a session's memory on
-`BackendSession.close()`. `LlamaCpuBackend` runs llama.cpp on the CPU; `TorchBackend`
+`BackendSession.close()`. `LlamaCpuBackend` (verifier/llama_backend.py) runs llama.cpp on the CPU; `TorchBackend`
 (verifier/torch/, optional extra `edgespec[torch]`) runs the model in torch on the CPU (float32: the
 exact reference) or a GPU. `create_backend` picks one by name.
 """
@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgespec.common import modelstore
+from edgespec.common.acceptance import VerifyResult
 from edgespec.common.sampling import SamplingParams
-from edgespec.common.tree import MAX_TREE_NODES, TokenTree
-from edgespec.runtime.llama import ContextConfig, LlamaModel
-from edgespec.runtime.tree_verifier import LlamaTreeVerifier, VerifyResult
+from edgespec.common.tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -92,63 +91,6 @@ def model_identity(path: Path) -> tuple[str, tuple[str, ...]]:
     return model_id, tuple(sorted(names))
 
 
-class _LlamaSession(BackendSession):
-    def __init__(self, model: LlamaModel, config: ContextConfig, max_depth: int) -> None:
-        self._verifier = LlamaTreeVerifier(model, config, max_depth=max_depth)
-
-    def sync(self, tokens: list[int]) -> None:
-        self._verifier.sync(tokens)
-
-    def verify(self, tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult:
-        return self._verifier.verify(tree, sampling, step)
-
-    @property
-    def committed_length(self) -> int:
-        return len(self._verifier.committed)
-
-    def close(self) -> None:
-        self._verifier.close()
-
-
-class LlamaCpuBackend(Backend):
-    """llama.cpp on the CPU: one LlamaModel shared by every session, one TreeContext per session."""
-
-    def __init__(self, model_path: str | os.PathLike, *, n_ctx: int = 4096, max_nodes: int = 128,
-                 max_depth: int = 32, max_k: int = 64, n_threads: int = 1, n_gpu_layers: int = 0,
-                 model_id: str | None = None) -> None:
-        if not 2 <= max_nodes <= MAX_TREE_NODES:
-            raise ValueError(f"max_nodes must be in [2, {MAX_TREE_NODES}], got {max_nodes}")
-        if n_ctx < max(max_nodes + 1, max_depth + 2):
-            # llama.cpp clamps n_batch to n_ctx and then aborts the process on a tree batch that
-            # does not fit (GGML_ASSERT n_outputs_max): refuse such configurations up front.
-            raise ValueError(f"n_ctx {n_ctx} is too small for trees of {max_nodes} nodes / depth {max_depth}: "
-                             f"use n_ctx >= {max(max_nodes + 1, max_depth + 2)} or lower --max-nodes")
-        self.model = LlamaModel(model_path, n_gpu_layers=n_gpu_layers)
-        # max_tree_nodes counts the root too: the context gets max_nodes + 1 sequences.
-        self.config = ContextConfig(n_ctx=n_ctx, n_threads=n_threads, max_tree_nodes=max_nodes)
-        self.max_depth = max_depth
-        mid, aliases = model_identity(self.model.path)
-        import llama_cpp as C
-
-        n_layer = C.llama_model_n_layer(self.model._model)
-        n_head = max(1, C.llama_model_n_head(self.model._model))
-        n_head_kv = C.llama_model_n_head_kv(self.model._model)
-        n_embd = C.llama_model_n_embd(self.model._model)
-        kv = 2 * 2 * n_layer * n_ctx * n_head_kv * (n_embd // n_head)   # K and V, f16
-        logits = 4 * (max_nodes + 1) * self.model.n_vocab                # float32 output rows
-        self.info = ModelInfo(
-            model_id=model_id or mid, aliases=aliases if model_id is None else (mid, *aliases),
-            tokenizer_hash=self.model.tokenizer_fingerprint(), vocab_size=self.model.n_vocab, n_ctx=n_ctx,
-            max_nodes=max_nodes, max_depth=max_depth, max_k=max_k, backend="llama-cpu",
-            kv_bytes_per_session=kv + logits, extra={"path": str(self.model.path)})
-
-    def open_session(self) -> BackendSession:
-        return _LlamaSession(self.model, self.config, self.max_depth)
-
-    def close(self) -> None:
-        self.model.close()
-
-
 BACKENDS = ("llama", "torch")
 
 
@@ -157,6 +99,7 @@ def create_backend(kind: str, model_path: str | os.PathLike, *, n_ctx: int = 409
                    dtype: str | None = None, max_sessions: int = 4) -> Backend:
     """The backend called `kind` ("llama" or "torch"); ValueError for bad settings."""
     if kind == "llama":
+        from edgespec.verifier.llama_backend import LlamaCpuBackend
         return LlamaCpuBackend(model_path, n_ctx=n_ctx, max_nodes=max_nodes, max_depth=max_depth, n_threads=threads,
                                n_gpu_layers=n_gpu_layers)
     if kind == "torch":

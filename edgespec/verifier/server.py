@@ -24,7 +24,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from edgespec.common import wire
-from edgespec.common.errors import ContextOverflowError, EdgespecError, InvalidRequestError, TokenizerMismatchError
+from edgespec.common.errors import (
+    ContextOverflowError,
+    EdgespecError,
+    InvalidRequestError,
+    TokenizerMismatchError,
+)
 from edgespec.common.wire import ModelNotServedError, ProtocolError, TreeTooLargeError
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc

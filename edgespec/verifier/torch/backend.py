@@ -19,11 +19,20 @@ import time
 
 import torch
 
-from edgespec.common.acceptance import accept_logits, check_context, check_tree
+from edgespec.common.acceptance import (
+    VerifyResult,
+    accept_logits,
+    check_context,
+    check_tree,
+)
 from edgespec.common.sampling import SamplingParams
 from edgespec.common.tree import MAX_TREE_NODES, TokenTree
-from edgespec.runtime.tree_verifier import VerifyResult
-from edgespec.verifier.backends import Backend, BackendSession, ModelInfo, model_identity
+from edgespec.verifier.backends import (
+    Backend,
+    BackendSession,
+    ModelInfo,
+    model_identity,
+)
 from edgespec.verifier.torch import gguf_weights
 from edgespec.verifier.torch.engine import Engine
 

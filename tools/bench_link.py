@@ -53,7 +53,7 @@ for p in (str(REPO), str(REPO / "tools"), str(REPO / "tests")):
         sys.path.insert(0, p)
 
 import netlab  # noqa: E402  (tests/netlab.py)
-from bench_wire import VerifierProcess, load_prompts, machine  # noqa: E402
+from bench_wire import load_prompts, machine  # noqa: E402
 
 MODES = ("ar", "chain4", "adaptive")
 
@@ -124,7 +124,7 @@ def tbf_stats(pair: netlab.NetnsPair) -> dict:
     return out
 
 
-def make_sessions(draft: Path, target: Path, address: str, n_ctx: int):
+def make_sessions(draft: Path, target: Path, address: str, token: str, n_ctx: int):
     from edgespec.edge.drafting import TreeShape
     from edgespec.edge.session import EdgeSession
 
@@ -134,7 +134,8 @@ def make_sessions(draft: Path, target: Path, address: str, n_ctx: int):
         for mode, shape in shapes.items():
             # fallback=False: a slow step must not be verified by a local copy of the target (that
             # would measure the device, not the link); the step deadline is then the link's 60 s.
-            sessions[mode] = EdgeSession(draft, target, verifier=address, tree=shape, n_ctx=n_ctx, fallback=False)
+            sessions[mode] = EdgeSession(draft, target, verifier=address, token=token, tree=shape, n_ctx=n_ctx,
+                                         fallback=False)
     except BaseException:
         for s in sessions.values():
             s.close()
@@ -185,9 +186,10 @@ def run(args: argparse.Namespace) -> dict:
         meta["git"] = "unknown"
     started = time.monotonic()
     with netlab.netns_pair() as pair:
-        vp = VerifierProcess(str(target), pair.ip_b, 0, prefix=["ip", "netns", "exec", pair.ns_b],
-                             extra=["--n-ctx", str(args.n_ctx), "--max-nodes", "128", "--threads", "1",
-                                    "--max-sessions", "4"])
+        from edgespec.edge.embedded import EmbeddedVerifier
+        vp = EmbeddedVerifier(target, n_ctx=args.n_ctx, max_nodes=128, max_sessions=4, host=pair.ip_b,
+                              command_prefix=["ip", "netns", "exec", pair.ns_b], wait_serving=False,
+                              extra_args=["--threads", "1"])
         try:
             relay = netlab.run_in(pair.ns_a, [sys.executable, str(REPO / "tools" / "netrelay.py"),
                                               "--listen", f"{pair.ip_a}:0", "--upstream", vp.address,
@@ -202,7 +204,7 @@ def run(args: argparse.Namespace) -> dict:
             import netrelay
             # From here on this thread lives in namespace A: gRPC's threads are created here.
             with netlab.in_netns(pair.ns_a):
-                sessions = make_sessions(draft, target, edge_address, args.n_ctx)
+                sessions = make_sessions(draft, target, edge_address, vp.token, args.n_ctx)
                 try:
                     # gRPC shares one subchannel (TCP connection) between channels to the same
                     # address, so the three sessions may use one connection: at least one must exist.

@@ -27,24 +27,16 @@ import gzip
 import json
 import os
 import platform
-import queue
-import re
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-READY_RE = re.compile(r"^edgespec-verifier listening on (\S+)$")
 
 # The drafting shape per tree size (nodes incl. root): budget = size - 1 drafted nodes. The
 # smaller ones are the planner's ladder shapes; 128 is the verifier's default --max-nodes.
@@ -90,90 +82,6 @@ def load_prompts(spec_bench: Path, humaneval: int, spec: int) -> list[tuple[str,
     return prompts
 
 
-# -- a verifier process ------------------------------------------------------------------------
-class VerifierProcess:
-    """`python -m edgespec verifier serve ...` as a child (optionally prefixed, e.g. `ip netns exec NS`).
-
-    Reads the ready line for the bound address; stop() sends SIGTERM to its process group, then SIGKILL.
-    """
-
-    def __init__(self, model: str, host: str = "127.0.0.1", port: int = 0, *, prefix: Sequence[str] = (),
-                 extra: Sequence[str] = (), startup_timeout_s: float = 300.0) -> None:
-        cmd = [*prefix, sys.executable, "-m", "edgespec", "verifier", "serve", "--model", model,
-               "--host", host, "--port", str(port), *extra]
-        self.cmd = cmd
-        self._stderr = tempfile.TemporaryFile()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.pop("EDGESPEC_TOKEN", None)  # loopback / private namespace: no auth
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr,
-                                     text=True, cwd=REPO, env=env, start_new_session=True)
-        self._lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True, name="verifier-stdout").start()
-        try:
-            self.address = self._wait_ready(startup_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        try:
-            for line in self.proc.stdout:
-                self._lines.put(line.rstrip("\n"))
-        except (OSError, ValueError):
-            pass
-        self._lines.put(None)
-
-    def stderr_tail(self, n: int = 3000) -> str:
-        try:
-            self._stderr.seek(0)
-            return self._stderr.read().decode("utf-8", "replace")[-n:].strip()
-        except (OSError, ValueError):
-            return ""
-
-    def _wait_ready(self, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                line = self._lines.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                raise RuntimeError(f"verifier not ready within {timeout_s:g} s: {self.stderr_tail()}") from None
-            if line is None:
-                self.proc.wait(timeout=10)
-                raise RuntimeError(f"verifier exited with code {self.proc.returncode}: {self.stderr_tail()}")
-            m = READY_RE.match(line)
-            if m:
-                return m.group(1)
-
-    def stop(self, timeout_s: float = 10.0) -> int | None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except OSError:
-                self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except OSError:
-                    self.proc.kill()
-                self.proc.wait(timeout=timeout_s)
-        if self.proc.stdout is not None:
-            try:
-                self.proc.stdout.close()
-            except OSError:
-                pass
-        return self.proc.returncode
-
-    def __enter__(self) -> "VerifierProcess":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-# -- measurements --------------------------------------------------------------------------------
 @dataclass
 class SizeRow:
     size: int                       # requested nodes incl. root
@@ -231,6 +139,7 @@ def q_padding(tree) -> int:
 
 def run(args: argparse.Namespace) -> dict:
     from edgespec.common import modelstore, wire
+    from edgespec.edge.embedded import EmbeddedVerifier
     from edgespec.edge.link import RemoteVerifier, expected_model_id
 
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -277,10 +186,10 @@ def run(args: argparse.Namespace) -> dict:
               "draft": draft_path.name, "target": target_path.name, "prompts": [n for n, _ in named],
               "prompt_tokens": [len(p) for p in prompts], "reps": args.reps, "sizes": sizes}
     if not args.no_latency:
-        extra = ["--n-ctx", "2048", "--max-nodes", str(max(max(sizes), 2)), "--threads", str(args.threads)]
-        with VerifierProcess(str(target_path), "127.0.0.1", 0, extra=extra) as vp:
+        extra = ["--threads", str(args.threads)]
+        with EmbeddedVerifier(target_path, n_ctx=2048, max_nodes=max(max(sizes), 2), extra_args=extra) as vp:
             print(f"verifier on {vp.address}", file=sys.stderr, flush=True)
-            rv = RemoteVerifier(vp.address, None, tokenizer_hash=model.tokenizer_fingerprint(),
+            rv = RemoteVerifier(vp.address, vp.token, tokenizer_hash=model.tokenizer_fingerprint(),
                                 model_id=expected_model_id(target_path), client_name="bench_wire", timeout_s=300)
             try:
                 lat_prompt = prompts[0]

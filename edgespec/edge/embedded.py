@@ -44,16 +44,20 @@ def _terminate(proc: subprocess.Popen, timeout_s: float) -> None:
 
 
 class EmbeddedVerifier:
-    """A verifier service child process on 127.0.0.1, ready (health SERVING) when constructed."""
+    """A verifier service child process (default on 127.0.0.1), ready (health SERVING) when constructed."""
 
     def __init__(self, model: str | os.PathLike, *, n_ctx: int = 4096, max_nodes: int | None = None,
                  max_depth: int | None = None, max_sessions: int = 4, extra_args: Sequence[str] = (),
-                 startup_timeout_s: float = 300.0, stop_timeout_s: float = 5.0) -> None:
+                 startup_timeout_s: float = 300.0, stop_timeout_s: float = 5.0, host: str = "127.0.0.1",
+                 command_prefix: Sequence[str] = (), wait_serving: bool = True) -> None:
+        """`command_prefix` runs the child through another command (the benchmarks use
+        `ip netns exec NS` to put it in a network namespace; `wait_serving=False` then, because the
+        health check would come from this process's namespace)."""
         self.model = str(model)
         self.token = secrets.token_urlsafe(24)
         self.stop_timeout_s = stop_timeout_s
-        cmd = [sys.executable, "-m", "edgespec", "verifier", "serve", "--model", self.model,
-               "--host", "127.0.0.1", "--port", "0", "--n-ctx", str(n_ctx),
+        cmd = [*command_prefix, sys.executable, "-m", "edgespec", "verifier", "serve", "--model", self.model,
+               "--host", host, "--port", "0", "--n-ctx", str(n_ctx),
                "--max-sessions", str(max_sessions), "--exit-with-parent"]
         if max_nodes is not None:
             cmd += ["--max-nodes", str(max_nodes)]
@@ -69,7 +73,8 @@ class EmbeddedVerifier:
         threading.Thread(target=self._pump, name="edgespec-embedded-stdout", daemon=True).start()
         try:
             self.address = self._wait_ready(startup_timeout_s)
-            self._wait_serving(startup_timeout_s)
+            if wait_serving:
+                self._wait_serving(startup_timeout_s)
         except BaseException:
             self.stop()
             raise

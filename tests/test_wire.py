@@ -53,10 +53,23 @@ def test_tree_round_trip(tree):
     back = wire.tree_from_proto(msg.verify.tree)
     assert_same_tree(tree, back)
     assert msg.verify.tree.k == tree.q_tokens.shape[1]
-    # the wire size is what the arrays need, nothing more: 8 bytes per node plus 6 per q entry
+    # the wire size is what the arrays need, nothing more: 8 bytes per node plus 6 per q entry of
+    # the nodes that have children (a leaf's q is never read, so it is not sent)
     n, k = tree.q_tokens.shape
+    rows = len(set(tree.parents[1:].tolist())) if k else 0
     assert len(msg.verify.tree.tokens) + len(msg.verify.tree.parents) == 8 * n
-    assert len(msg.verify.tree.q_tokens) + len(msg.verify.tree.q_weights) == 6 * n * k
+    assert len(msg.verify.tree.q_tokens) + len(msg.verify.tree.q_weights) == 6 * rows * k
+
+
+def test_leaf_q_rows_are_not_sent_and_bad_rows_are_refused():
+    tree = sampled_tree()
+    q_tokens, q_weights = tree.q_tokens.copy(), tree.q_weights.copy()
+    q_tokens[3], q_weights[3] = [1, 2, 3], [1, 1, 1]            # a leaf with a (useless) q row
+    msg = wire.tree_to_proto(TokenTree(tokens=tree.tokens, parents=tree.parents, q_tokens=q_tokens, q_weights=q_weights))
+    assert_same_tree(tree, wire.tree_from_proto(through_bytes(msg)))
+    msg.q_rows = wire.pack_i32(np.array([1, 0]))
+    with pytest.raises(wire.WireFormatError, match="q_rows"):
+        wire.tree_from_proto(msg)
 
 
 def test_sampled_tree_still_validates_after_the_trip():
@@ -94,9 +107,9 @@ def good_tree_msg() -> pb.TokenTree:
     (lambda m: setattr(m, "tokens", b""), "empty"),
     (lambda m: setattr(m, "parents", m.parents[:-4]), r"tree.parents: expected 4 int32"),
     (lambda m: setattr(m, "parents", m.parents + b"\x00\x00"), r"tree.parents: 18 bytes"),
-    (lambda m: setattr(m, "q_tokens", m.q_tokens[:-4]), r"tree.q_tokens: expected 12 int32"),
-    (lambda m: setattr(m, "q_weights", m.q_weights[:-1]), r"tree.q_weights: expected 12 uint16"),
-    (lambda m: setattr(m, "k", 4), r"tree.q_tokens: expected 16"),
+    (lambda m: setattr(m, "q_tokens", m.q_tokens[:-4]), r"tree.q_tokens: expected 6 int32"),
+    (lambda m: setattr(m, "q_weights", m.q_weights[:-1]), r"tree.q_weights: expected 6 uint16"),
+    (lambda m: setattr(m, "k", 4), r"tree.q_tokens: expected 8"),
     (lambda m: setattr(m, "k", 0), "k is 0"),
 ])
 def test_malformed_tree_bytes_are_rejected(corrupt, match):

@@ -180,9 +180,12 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 # -- trees ------------------------------------------------------------------------------------
 def tree_to_proto(tree: TokenTree) -> pb.TokenTree:
     n, k = tree.q_tokens.shape if tree.q_tokens.ndim == 2 else (len(tree), 0)
+    if not k:
+        return pb.TokenTree(tokens=pack_i32(tree.tokens), parents=pack_i32(tree.parents))
+    rows = np.unique(tree.parents[1:])  # only nodes with children: leaves' q is never read
     return pb.TokenTree(tokens=pack_i32(tree.tokens), parents=pack_i32(tree.parents), k=k,
-                        q_tokens=pack_i32(tree.q_tokens.reshape(-1)) if k else b"",
-                        q_weights=pack_u16(tree.q_weights.reshape(-1)) if k else b"")
+                        q_rows=pack_i32(rows), q_tokens=pack_i32(tree.q_tokens[rows].reshape(-1)),
+                        q_weights=pack_u16(tree.q_weights[rows].reshape(-1)))
 
 
 def tree_from_proto(msg: pb.TokenTree, max_nodes: int | None = None, max_k: int | None = None) -> TokenTree:
@@ -203,11 +206,16 @@ def tree_from_proto(msg: pb.TokenTree, max_nodes: int | None = None, max_k: int 
     parents = unpack_i32(msg.parents, "tree.parents", count=n)
     k = int(msg.k)
     if k:
-        q_tokens = unpack_i32(msg.q_tokens, "tree.q_tokens", count=n * k).reshape(n, k)
-        q_weights = unpack_u16(msg.q_weights, "tree.q_weights", count=n * k).reshape(n, k)
+        rows = unpack_i32(msg.q_rows, "tree.q_rows") if msg.q_rows else np.arange(n, dtype=np.int32)
+        if rows.size and (rows[0] < 0 or rows[-1] >= n or (np.diff(rows) <= 0).any()):
+            raise WireFormatError(f"tree.q_rows must be ascending node indices in [0, {n})")
+        q_tokens = np.full((n, k), -1, np.int32)
+        q_weights = np.zeros((n, k), np.uint16)
+        q_tokens[rows] = unpack_i32(msg.q_tokens, "tree.q_tokens", count=rows.size * k).reshape(rows.size, k)
+        q_weights[rows] = unpack_u16(msg.q_weights, "tree.q_weights", count=rows.size * k).reshape(rows.size, k)
     else:
-        if msg.q_tokens or msg.q_weights:
-            raise WireFormatError("tree.q_tokens/q_weights given but tree.k is 0")
+        if msg.q_tokens or msg.q_weights or msg.q_rows:
+            raise WireFormatError("tree.q_tokens/q_weights/q_rows given but tree.k is 0")
         q_tokens, q_weights = np.zeros((n, 0), np.int32), np.zeros((n, 0), np.uint16)
     return TokenTree(tokens=tokens, parents=parents, q_tokens=q_tokens, q_weights=q_weights)
 

@@ -20,19 +20,27 @@ class Reference:
     margins: list[float]
 
 
-def target_only_greedy(model: LlamaModel, prompt: list[int], n: int) -> Reference:
-    """Plain autoregressive greedy decoding with the target (root-only trees: one token per step)."""
-    verifier = LlamaTreeVerifier(model, ContextConfig(n_ctx=2048))
+def greedy_reference(verifier, prompt: list[int], n: int, is_end) -> Reference:
+    """Plain autoregressive greedy decoding with any verifier session (root-only trees: one token
+    per step); `verifier` needs sync/verify/committed (llama.cpp or torch backends)."""
     verifier.sync(prompt)
     tokens, margins = [], []
     for step in range(n):
         result = verifier.verify(TokenTree.chain(verifier.committed[-1], []), GREEDY, step)
         tokens += result.tokens
         margins += result.margins
-        if model.is_end_of_generation(result.tokens[-1]):
+        if is_end(result.tokens[-1]):
             break
-    verifier.close()
     return Reference(tokens, margins)
+
+
+def target_only_greedy(model: LlamaModel, prompt: list[int], n: int) -> Reference:
+    """The llama.cpp target's own greedy output."""
+    verifier = LlamaTreeVerifier(model, ContextConfig(n_ctx=2048))
+    try:
+        return greedy_reference(verifier, prompt, n, model.is_end_of_generation)
+    finally:
+        verifier.close()
 
 
 def spec_tokens(session, prompt: list[int], n: int, sampling: SamplingParams = GREEDY) -> list[int]:

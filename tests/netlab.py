@@ -477,3 +477,13 @@ def connect_from(ns: str, address: tuple[str, int], timeout_s: float = 5.0) -> s
     except BaseException:
         s.close()
         raise
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float, interval_s: float = 0.02) -> bool:
+    """Poll `cond` until it holds or `timeout_s` passes (bounded); returns its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(interval_s)
+    return bool(cond())

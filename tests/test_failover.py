@@ -23,6 +23,7 @@ from edgespec.runtime.llama import ContextConfig
 from edgespec.runtime.tree_verifier import LlamaTreeVerifier
 from grpc_helpers import ServerProcess
 from lossless import GREEDY, NEAR_TIE_MARGIN, assert_lossless, target_only_greedy
+from netlab import wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import netrelay  # noqa: E402
@@ -65,13 +66,6 @@ def pull(stream, chunks: list[str], until, max_steps: int = 400) -> None:
     raise AssertionError("condition not reached")
 
 
-def wait_for(cond, timeout_s: float, interval_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(interval_s)
-    return bool(cond())
 
 
 def free_port() -> int:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +26,7 @@ for p in (str(HERE), str(ROOT / "tools")):
         sys.path.insert(0, p)
 
 import netlab  # noqa: E402
+from netlab import wait_for  # noqa: E402
 import netrelay  # noqa: E402
 
 NETRELAY = ROOT / "tools" / "netrelay.py"
@@ -112,13 +113,6 @@ def expect_no_data(sock: socket.socket, wait_s: float) -> None:
         sock.recv(1)
 
 
-def wait_for(cond: Callable[[], bool], timeout_s: float, interval_s: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(interval_s)
-    return bool(cond())
 
 
 # ------------------------------------------------------------------------- relay (loopback)
@@ -239,10 +233,15 @@ def test_relay_refuse_closes_new_connections(echo_addr: tuple[str, int]) -> None
         assert relay.stats().refused == 2
 
 
+def bind_unused(sock: socket.socket) -> tuple[str, int]:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[:2]
+
+
 def test_relay_upstream_down_resets_client() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as tmp:
-        dead = tmp.getsockname()[:2]  # a port nobody listens on once closed
-    with netrelay.RelayThread(dead, connect_timeout_s=2) as relay:
+    # A bound but never listening socket: connections to it are refused, and while we hold it no
+    # other process (or the relay's own listener) can be given the same port.
+    with socket.socket() as tmp, netrelay.RelayThread(bind_unused(tmp), connect_timeout_s=2) as relay:
         with socket.create_connection(relay.address, timeout=5) as s:
             s.settimeout(3)
             with pytest.raises(ConnectionResetError):

@@ -24,6 +24,7 @@ from edgespec.verifier.torch.engine import Engine  # noqa: E402
 from edgespec.verifier.torch.kv_cache import PagedKVCache  # noqa: E402
 from edgespec.verifier.torch.model import Decoder  # noqa: E402
 from edgespec.verifier.torch.tree_attention import ancestor_mask, chain_parents  # noqa: E402
+from lossless import greedy_reference  # noqa: E402
 
 GREEDY = SamplingParams()
 PROMPTS = ["Write a Python function that adds two numbers.", "What is the capital of France? Answer briefly.",
@@ -308,17 +309,12 @@ def test_sessions_share_prefix_blocks(backend, smol_model):
 def target_only(backend, prompt, n):
     """Greedy decoding with the torch target alone: root-only trees, one token per step."""
     session = backend.open_session()
-    session.sync(prompt)
-    out, margins = [], []
-    for step in range(n):
-        result = session.verify(TokenTree.chain(session.committed[-1], []), GREEDY, step)
-        out += result.tokens
-        margins += result.margins
-        if out[-1] == 2 or len(out) >= n:  # SmolLM2's <|im_end|>
-            break
-    session.close()
-    print(f"target-only: {len(out)} tokens, smallest top-2 logit margin {min(margins):.4f}")
-    return out[:n]
+    try:
+        ref = greedy_reference(session, prompt, n, is_end=lambda t: t == 2)  # SmolLM2's <|im_end|>
+    finally:
+        session.close()
+    print(f"target-only: {len(ref.tokens)} tokens, smallest top-2 logit margin {min(ref.margins):.4f}")
+    return ref.tokens[:n]
 
 
 def speculative(session, prompt, n, sampling=GREEDY):

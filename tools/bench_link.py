@@ -74,6 +74,7 @@ class Cell:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     prepared_hits: int = 0
+    prefill_seconds: float = 0.0
     link_wall_ms: float = 0.0      # summed Verify round trips (client wall)
     link_rtt_ms: float = 0.0       # summed wall - server queue - server compute
     link_compute_ms: float = 0.0
@@ -149,7 +150,7 @@ def one_run(session, prompt: list[int], max_tokens: int) -> tuple[dict, list[int
 
     stats = session.decoder.stats
     link = session.verifier.link_stats
-    keys = ("tokens", "steps", "drafted", "accepted", "seconds", "draft_seconds", "verify_seconds", "prepared_hits")
+    keys = stats.COUNTERS
     lkeys = ("wall_ms", "rtt_ms", "compute_ms", "queue_ms", "step_bytes_up", "step_bytes_down")
     before = {k: getattr(stats, k) for k in keys} | {"link_" + k: getattr(link, k) for k in lkeys}
     out: list[int] = []

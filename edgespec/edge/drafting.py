@@ -9,6 +9,7 @@ acceptance rule needs, see common/acceptance.py).
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -135,10 +136,10 @@ class Drafter:
         draft.seconds, draft.decodes = time.perf_counter() - started, decodes
         return draft
 
-    def accept(self, draft: Draft | None, path: list[int]) -> None:
+    def accept(self, draft: Draft, path: list[int]) -> None:
         """Keep the KV of the longest decoded accepted prefix; the rest is re-ingested lazily."""
-        decoded = [n for n in path if draft is not None and draft.node_seq[n] >= 0]
-        if draft is None or not decoded or decoded[-1] != path[len(decoded) - 1]:
+        decoded = list(itertools.takewhile(lambda n: draft.node_seq[n] >= 0, path))
+        if not decoded:
             self.ctx.drop_branches()
             return
         self.ctx.adopt_branch(draft.node_seq[decoded[-1]], draft.tree.tokens[decoded].tolist())

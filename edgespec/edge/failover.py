@@ -287,7 +287,8 @@ class FailoverVerifier:
                  no_local_reason: str = "fallback disabled", deadline_s: float | None = None,
                  sync_deadline_s: float | None = None, probe_interval_s: float = 2.0, failure_threshold: int = 1,
                  on_switch: Callable[[SwitchEvent], None] | None = None,
-                 stats: Callable[[], Any] | None = None, connect_now: bool = True) -> None:
+                 stats: Callable[[], Any] | None = None, connect_now: bool = True,
+                 revive: Callable[[], str] | None = None) -> None:
         """Connect to the verifier at `address` (Open) unless connect_now=False.
 
         local: a factory of the local verifier (e.g. LocalFallback), called on the first local
@@ -300,6 +301,9 @@ class FailoverVerifier:
             already cost up to deadline_s of waiting, and the link retried transport errors once
             by itself; a blip is repaired by the probe within probe_interval_s).
         stats: returns the session's SessionStats; the snapshot goes to its extra["failover"].
+        revive: called by the probe before each health check; returns the verifier's address,
+            which may change (EmbeddedVerifier.ensure_running restarts a dead bundled verifier on
+            a new port); an exception counts as a failed probe.
         First contact: a configuration error (wrong token, model, tokenizer, protocol) always
         raises; an unreachable verifier raises only without a fallback, else the session starts
         local with the breaker open (and a switch event with step -1).
@@ -312,6 +316,7 @@ class FailoverVerifier:
         self._token, self._tls, self._server_name = token, tls, server_name
         self._tokenizer_hash, self._model_id, self._client_name = tokenizer_hash, model_id, client_name
         self._local_factory = local
+        self._revive = revive
         self._no_local_reason = no_local_reason if local is None else ""
         if deadline_s is None:
             deadline_s = DEFAULT_DEADLINE_S if local is not None else NO_FALLBACK_DEADLINE_S
@@ -681,7 +686,7 @@ class FailoverVerifier:
                 if self._closed or gen != self._probe_gen or self._state is not Breaker.OPEN:
                     return
                 self.counters["probes"] += 1
-            ok, detail = self._health()
+            ok, detail = self._revive_and_check()
             with self._lock:
                 self.last_probe = detail
                 if not ok:
@@ -711,6 +716,16 @@ class FailoverVerifier:
             _close_quietly(link)
             self._publish()
             return
+
+    def _revive_and_check(self) -> tuple[bool, str]:
+        if self._revive is not None:
+            try:
+                address = self._revive()
+            except Exception as exc:  # noqa: BLE001 - a probe never raises
+                return False, f"revive: {type(exc).__name__}: {exc}"
+            with self._lock:
+                self.address = address
+        return self._health()
 
     def _health(self) -> tuple[bool, str]:
         """Standard gRPC health check of the verifier service (no token needed); Info where the

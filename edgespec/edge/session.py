@@ -19,6 +19,7 @@ from edgespec.runtime.llama import ContextConfig, LlamaModel, TextStream
 from edgespec.runtime.tree_verifier import LlamaTreeVerifier
 
 if TYPE_CHECKING:
+    from edgespec.edge.embedded import EmbeddedVerifier
     from edgespec.edge.failover import FailoverVerifier, SwitchEvent
 
 Messages = str | Sequence[dict[str, str]]
@@ -49,7 +50,8 @@ class EdgeSession:
         failures open the circuit breaker (every step local), a probe every `probe_interval_s`
         re-attaches once the verifier is healthy. The local target is loaded lazily, at the first
         step that needs it (see LocalFallback for why), and never downloaded: without the file on
-        this device, or with fallback=False, failures raise VerifierUnavailableError. Each switch
+        this device, or with fallback=False, failures raise VerifierUnavailableError. A bundled
+        verifier that dies is restarted by the probe (EmbeddedVerifier.ensure_running). Each switch
         is passed to `on_switch(SwitchEvent)`; state and counters are in stats.extra["failover"].
         """
         if local and verifier is not None:
@@ -91,7 +93,8 @@ class EdgeSession:
                     address, token=token or os.environ.get("EDGESPEC_TOKEN"), tls=tls, tokenizer_hash=fingerprint,
                     model_id=expected_model_id(target), client_name="edgespec EdgeSession", local=fallback_target,
                     no_local_reason=no_local, deadline_s=deadline_s, probe_interval_s=probe_interval_s,
-                    failure_threshold=failure_threshold, on_switch=on_switch, stats=lambda: self.stats)
+                    failure_threshold=failure_threshold, on_switch=on_switch, stats=lambda: self.stats,
+                    revive=None if self._embedded is None else self._embedded.ensure_running)
             except BaseException:
                 if self._embedded is not None:
                     self._embedded.stop()
@@ -114,6 +117,11 @@ class EdgeSession:
         from edgespec.edge.failover import FailoverVerifier
 
         return self.verifier if isinstance(self.verifier, FailoverVerifier) else None
+
+    @property
+    def embedded(self) -> "EmbeddedVerifier | None":
+        """The bundled verifier child (default mode), else None."""
+        return self._embedded
 
     @property
     def tree_shape(self) -> TreeShape | None:

@@ -48,3 +48,30 @@ def test_load_makes_nodes_dearer_and_prunes():
     feed(p, **args, steps=20, queue_s=0.2)   # same costs, but the verifier now reports long queues
     assert p.load_factor > 2
     assert p.prune_size(scores, decodes=8) < calm
+
+
+def test_acceptance_is_corrected_per_depth():
+    """A draft that is over-confident deep in the tree: the score bins alone cannot see it (the same
+    scores occur at every depth), the per-depth correction does, and pruning then sends fewer deep
+    nodes."""
+    rng = np.random.default_rng(1)
+    p = Planner()
+    for _ in range(80):
+        scores = rng.uniform(0, 1, 24)
+        depths = rng.integers(1, 7, 24)
+        accept = rng.uniform(size=24) < np.where(depths <= 2, scores, 0.1 * scores)
+        p.observe(StepObservation(nodes=24, draft_s=0.1, draft_decodes=6, network_s=0.05, bytes_up=300,
+                                  verify_s=0.05 + 0.004 * 25, queue_s=0.0, scores=scores, accepted=accept,
+                                  depths=depths))
+    corr = p.depth_correction
+    assert corr[1] > 1.2 and corr[2] > 1.2 and (corr[3:7] < 0.4).all(), corr
+    probe = np.array([0.6, 0.6])
+    shallow, deep = p.acceptance(probe, np.array([1, 5]))
+    assert shallow > 0.45 and deep < 0.15, (shallow, deep)
+    assert abs(p.acceptance(np.array([0.6]))[0] - 0.6 * (2 + 4 * 0.1) / 6) < 0.1  # bins: the mix of depths
+    by_depth = p.snapshot()["acceptance_by_depth"]
+    assert sorted(by_depth) == [1, 2, 3, 4, 5, 6] and by_depth[5]["correction"] < 0.4
+    scores = np.linspace(0.95, 0.3, 30)
+    chain_depths = np.arange(1, 31)   # a long chain: everything past depth 2 is worth little
+    wide_depths = np.repeat([1, 2], 15)
+    assert p.prune_size(scores, decodes=6, depths=chain_depths) < p.prune_size(scores, decodes=6, depths=wide_depths)

@@ -151,7 +151,8 @@ class Decoder:
         draft = self.drafter.grow(committed, shape, sampling, step, stop=stop)
         if self.planner and not self.planner.exploring:
             q_per_node = float(draft.tree.q_tokens.shape[1])
-            draft = draft.pruned(self.planner.prune_size(draft.scores[1:], draft.decodes, q_per_node))
+            draft = draft.pruned(self.planner.prune_size(draft.scores[1:], draft.decodes, q_per_node,
+                                                         depths=draft.tree.depths[1:]))
         return draft
 
     def _draft_ahead(self, committed: list[int], draft: Draft, sampling: SamplingParams, step: int,
@@ -182,7 +183,8 @@ class Decoder:
             self.planner.observe(StepObservation(
                 nodes=len(draft.tree) - 1, draft_s=draft.seconds, draft_decodes=draft.decodes,
                 network_s=result.network_s, bytes_up=result.bytes_up, verify_s=result.compute_s,
-                queue_s=result.queue_s, scores=draft.scores[1:], accepted=accepted))
+                queue_s=result.queue_s, scores=draft.scores[1:], accepted=accepted,
+                depths=draft.tree.depths[1:]))
             s.extra["planner"] = self.planner.snapshot()
 
 

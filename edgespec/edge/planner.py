@@ -7,7 +7,9 @@ Inputs, all measured from the traffic itself and refreshed every step:
   (load: when requests queue, every extra node costs other users too, so nodes get dearer);
 - draft: seconds per drafting decode (one decode per depth);
 - acceptance: the probability that a drafted node ends up on the accepted path, as a function
-  of the draft's own path probability, calibrated online per score bin (EAGLE-2/Sequoia idea).
+  of the draft's own path probability, calibrated online per score bin (EAGLE-2/Sequoia idea),
+  times a per-depth correction: observed / predicted acceptances at that depth, so a draft whose
+  confidence is systematically off deep in the tree (or near the root) is corrected there.
 
 Drafting uses the shape the planner picks; afterwards `prune` keeps the best-scoring prefix of
 nodes whose size maximises (1 + expected accepted) / predicted step time.
@@ -33,6 +35,8 @@ LADDER: tuple[TreeShape, ...] = (
 BYTES_PER_NODE = 8         # tokens + parents (int32), greedy trees (measured: docs/BENCHMARKS.md)
 BYTES_PER_Q_ENTRY = 6      # token (int32) + weight (uint16), sampled trees
 SCORE_BINS = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.01])
+MAX_TRACKED_DEPTH = 16     # depths beyond share the last depth's correction
+DEPTH_PRIOR = 4.0          # pseudo-observations pulling a depth's correction towards 1
 
 
 @dataclass
@@ -48,6 +52,7 @@ class StepObservation:
     queue_s: float
     scores: np.ndarray         # draft path probability of each drafted node
     accepted: np.ndarray       # bool per drafted node: on the accepted path
+    depths: np.ndarray | None = None  # depth of each drafted node (1 = child of the root)
 
 
 class _LineFit:
@@ -92,6 +97,9 @@ class Planner:
     steps: int = 0
     last_choice: int = 1
     realized: dict[int, tuple[int, float]] = field(default_factory=dict)  # rung -> (count, mean tokens/step)
+    # per depth: acceptances observed and predicted by the score bins (index 0 unused: the root)
+    depth_hits: np.ndarray = field(default_factory=lambda: np.zeros(MAX_TRACKED_DEPTH + 1))
+    depth_predicted: np.ndarray = field(default_factory=lambda: np.zeros(MAX_TRACKED_DEPTH + 1))
 
     # -- learning -----------------------------------------------------------------------------
     def observe(self, obs: StepObservation) -> None:
@@ -107,14 +115,32 @@ class Planner:
         count, mean = self.realized.get(self.last_choice, (0, 0.0))
         tokens = 1.0 + float(obs.accepted.sum())
         self.realized[self.last_choice] = (count + 1, mean + (tokens - mean) / min(count + 1, 16))
+        if obs.depths is not None:  # before the bins learn from this step: predicted out of sample
+            d = np.minimum(obs.depths, MAX_TRACKED_DEPTH)
+            np.add.at(self.depth_predicted, d, self.acceptance(obs.scores))
+            np.add.at(self.depth_hits, d, obs.accepted.astype(float))
         bins = np.clip(np.digitize(obs.scores, SCORE_BINS) - 1, 0, len(self.hits) - 1)
         np.add.at(self.trials, bins, 1.0)
         np.add.at(self.hits, bins, obs.accepted.astype(float))
 
-    def acceptance(self, scores: np.ndarray) -> np.ndarray:
-        """Calibrated probability that nodes with these draft path probabilities get accepted."""
+    @property
+    def depth_correction(self) -> np.ndarray:
+        """Per depth, observed / predicted acceptances, shrunk towards 1 while evidence is thin;
+        a depth never observed takes the correction of the deepest observed depth above it."""
+        corr = (self.depth_hits + DEPTH_PRIOR) / (self.depth_predicted + DEPTH_PRIOR)
+        for d in range(2, corr.size):
+            if self.depth_predicted[d] == 0:
+                corr[d] = corr[d - 1]
+        return corr
+
+    def acceptance(self, scores: np.ndarray, depths: np.ndarray | None = None) -> np.ndarray:
+        """Calibrated probability that nodes with these draft path probabilities (and depths, when
+        given) get accepted."""
         bins = np.clip(np.digitize(scores, SCORE_BINS) - 1, 0, len(self.hits) - 1)
-        return (self.hits / self.trials)[bins]
+        p = (self.hits / self.trials)[bins]
+        if depths is not None:
+            p = np.clip(p * self.depth_correction[np.minimum(depths, MAX_TRACKED_DEPTH)], 0.0, 1.0)
+        return p
 
     # -- predictions --------------------------------------------------------------------------
     @property
@@ -161,10 +187,13 @@ class Planner:
         self.last_choice = best
         return self.ladder[best]
 
-    def prune_size(self, scores: np.ndarray, decodes: int, q_entries_per_node: float = 0.0) -> int:
-        """How many of the best-scoring nodes to send: argmax of expected tokens per second."""
-        order = np.sort(scores)[::-1]
-        gain = 1 + np.concatenate([[0.0], np.cumsum(self.acceptance(order))])
+    def prune_size(self, scores: np.ndarray, decodes: int, q_entries_per_node: float = 0.0,
+                   depths: np.ndarray | None = None) -> int:
+        """How many of the best-scoring nodes to send: argmax of expected tokens per second.
+        (The n best by score form a tree, see drafting.best_nodes; depths only refine their value.)"""
+        order = np.argsort(-np.asarray(scores), kind="stable")
+        value = self.acceptance(np.asarray(scores)[order], None if depths is None else np.asarray(depths)[order])
+        gain = 1 + np.concatenate([[0.0], np.cumsum(value)])
         sizes = np.arange(order.size + 1)
         seconds = np.array([self.step_seconds(int(n), decodes, int(n * q_entries_per_node)) for n in sizes])
         return int(sizes[np.argmax(gain / seconds)])
@@ -177,4 +206,13 @@ class Planner:
                 "verifier_queue_ms": 1000 * self.queue_s, "load_factor": self.load_factor,
                 "draft_ms_per_decode": 1000 * self.draft_per_decode_s,
                 "acceptance_by_score_bin": (self.hits / self.trials).round(3).tolist(),
+                "acceptance_by_depth": self._acceptance_by_depth(),
                 "shape": self.ladder[self.last_choice].__dict__, "steps": self.steps}
+
+    def _acceptance_by_depth(self) -> dict[int, dict[str, float]]:
+        """Depths seen so far: accepted nodes per step, what the score bins predicted, correction."""
+        seen = np.flatnonzero(self.depth_predicted > 0)
+        steps = max(self.steps, 1)
+        return {int(d): {"accepted_per_step": round(float(self.depth_hits[d]) / steps, 3),
+                         "predicted_per_step": round(float(self.depth_predicted[d]) / steps, 3),
+                         "correction": round(float(self.depth_correction[d]), 3)} for d in seen}

@@ -20,3 +20,20 @@ def test_pipelined_remote_session_is_lossless(smol_path, smol_model, tree):
         if tree is None:
             planner = stats.extra["planner"]
             assert planner["steps"] == stats.steps and planner["verify_ms_per_node"] > 0
+            assert 1 in planner["acceptance_by_depth"]
+
+
+def test_abandoned_stream_leaves_the_session_usable(smol_path, smol_model):
+    """A user who stops reading mid-answer (a tree may be in flight, another drafted ahead) and
+    asks again gets exactly the answer a fresh session gives."""
+    with EdgeSession(smol_path, smol_path, n_ctx=1024) as session:   # bundled verifier, adaptive, pipelined
+        tokens = session.draft_model.chat_tokens([{"role": "user", "content": PROMPTS[0]}])
+        ref = target_only_greedy(smol_model, tokens, 48)
+        stream = session.chat(PROMPTS[0], stream=True, max_tokens=48)
+        next(stream), next(stream)
+        stream.close()
+        assert_lossless(spec_tokens(session, tokens, 48), ref, "after close()")
+        stream = session.chat(PROMPTS[1], stream=True, max_tokens=48)
+        next(stream)
+        del stream   # dropped without close(): the generator is finalised the same way
+        assert_lossless(spec_tokens(session, tokens, 48), ref, "after del")

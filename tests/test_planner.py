@@ -38,6 +38,9 @@ def test_expensive_round_trips_favour_big_trees_and_expensive_nodes_small_ones()
     near = feed(Planner(), rtt_s=0.0, bandwidth_bps=12.5e6, verify_fixed_s=0.01, verify_per_node_s=0.05,
                 accept_fn=lambda s: s)
     assert far.choose().budget > near.choose().budget
+    # 50 ms per verified node and no round trip to save: drafting cannot pay, plain decoding wins
+    assert near.choose().budget == 0
+    assert far.choose().budget >= 16
 
 
 def test_load_makes_nodes_dearer_and_prunes():

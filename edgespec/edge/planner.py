@@ -24,9 +24,11 @@ import numpy as np
 
 from edgespec.edge.drafting import TreeShape
 
-# Candidate shapes, from a short chain to a wide tree; the planner picks one each step.
+# Candidate shapes, from no draft at all (plain target decoding: the right choice when verified
+# nodes are dear and round trips cheap, e.g. a CPU verifier nearby) to a wide tree; the planner
+# picks one each step.
 LADDER: tuple[TreeShape, ...] = (
-    TreeShape.chain(2), TreeShape.chain(4),
+    TreeShape.target_only(), TreeShape.chain(2), TreeShape.chain(4),
     TreeShape(budget=8, max_depth=5, top_k=2, width=2),
     TreeShape(budget=16, max_depth=6, top_k=4, width=4),
     TreeShape(budget=32, max_depth=8, top_k=4, width=6),
@@ -95,7 +97,7 @@ class Planner:
     hits: np.ndarray = field(default_factory=lambda: np.ones(len(SCORE_BINS) - 1))
     trials: np.ndarray = field(default_factory=lambda: np.ones(len(SCORE_BINS) - 1) * 2)
     steps: int = 0
-    last_choice: int = 1
+    last_choice: int = 2     # chain(4) until the first choice
     realized: dict[int, tuple[int, float]] = field(default_factory=dict)  # rung -> (count, mean tokens/step)
     # per depth: acceptances observed and predicted by the score bins (index 0 unused: the root)
     depth_hits: np.ndarray = field(default_factory=lambda: np.zeros(MAX_TRACKED_DEPTH + 1))
@@ -105,11 +107,11 @@ class Planner:
     def observe(self, obs: StepObservation) -> None:
         self.steps += 1
         self.network.add(obs.bytes_up, obs.network_s)
-        if obs.nodes == 0:  # pruned to the root: only the link and verifier figures are news
+        self.queue_s = 0.8 * self.queue_s + 0.2 * obs.queue_s
+        if obs.nodes == 0:  # no draft (or pruned to the root): only link and verifier figures are news
             self.verify.add(1, obs.verify_s)
             return
         self.verify.add(obs.nodes + 1, obs.verify_s)
-        self.queue_s = 0.8 * self.queue_s + 0.2 * obs.queue_s
         if obs.draft_decodes:
             self.draft_per_decode_s = 0.8 * self.draft_per_decode_s + 0.2 * obs.draft_s / obs.draft_decodes
         count, mean = self.realized.get(self.last_choice, (0, 0.0))
@@ -180,7 +182,8 @@ class Planner:
 
     def choose(self) -> TreeShape:
         """The ladder shape with the best predicted tokens/second (with periodic exploration)."""
-        rates = [self.expected_tokens(i) / self.step_seconds(s.budget, s.max_depth) for i, s in enumerate(self.ladder)]
+        rates = [self.expected_tokens(i) / self.step_seconds(s.budget, s.max_depth if s.budget else 0)
+                 for i, s in enumerate(self.ladder)]
         best = int(np.argmax(rates))
         if self.exploring:
             best = min(len(self.ladder) - 1, best + 1) if self.steps % (2 * self.explore_every) else max(0, best - 1)

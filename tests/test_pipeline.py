@@ -21,6 +21,10 @@ def test_pipelined_remote_session_is_lossless(smol_path, smol_model, tree):
             planner = stats.extra["planner"]
             assert planner["steps"] == stats.steps and planner["verify_ms_per_node"] > 0
             assert 1 in planner["acceptance_by_depth"]
+        else:
+            assert stats.shapes == {"tree16": stats.steps}
+        assert sum(stats.shapes.values()) == stats.steps
+        assert ("trees:" in stats.summary()) == (len(stats.shapes) > 1)
 
 
 def test_abandoned_stream_leaves_the_session_usable(smol_path, smol_model):

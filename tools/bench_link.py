@@ -83,6 +83,7 @@ class Cell:
     link_step_bytes_down: int = 0  # protobuf Verified messages
     relay_bytes_up: int = 0        # TCP payload through the relay (HTTP/2 framing, Sync, pings included)
     relay_bytes_down: int = 0
+    shapes: dict = field(default_factory=dict)  # steps per tree shape (TreeShape.label)
     outputs: list = field(default_factory=list)
 
     @property
@@ -153,11 +154,14 @@ def one_run(session, prompt: list[int], max_tokens: int) -> tuple[dict, list[int
     keys = stats.COUNTERS
     lkeys = ("wall_ms", "rtt_ms", "compute_ms", "queue_ms", "step_bytes_up", "step_bytes_down")
     before = {k: getattr(stats, k) for k in keys} | {"link_" + k: getattr(link, k) for k in lkeys}
+    shapes_before = dict(stats.shapes)
     out: list[int] = []
     for tokens in session.generate_tokens(prompt, max_tokens, SamplingParams(temperature=0.0)):
         out.extend(tokens)
     after = {k: getattr(stats, k) for k in keys} | {"link_" + k: getattr(link, k) for k in lkeys}
-    return {k: after[k] - before[k] for k in before}, out
+    delta = {k: after[k] - before[k] for k in before}
+    delta["shapes"] = {k: n - shapes_before.get(k, 0) for k, n in stats.shapes.items() if n > shapes_before.get(k, 0)}
+    return delta, out
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -239,7 +243,11 @@ def run(args: argparse.Namespace) -> dict:
                                 c = cells[(rtt, mbit, mode)]
                                 c.runs += 1
                                 for k, v in d.items():
-                                    setattr(c, k, getattr(c, k) + v)
+                                    if k == "shapes":
+                                        for label, n in v.items():
+                                            c.shapes[label] = c.shapes.get(label, 0) + n
+                                    else:
+                                        setattr(c, k, getattr(c, k) + v)
                                 c.relay_bytes_up += r1["bytes_up"] - r0["bytes_up"]
                                 c.relay_bytes_down += r1["bytes_down"] - r0["bytes_down"]
                                 c.outputs.append(out)
@@ -291,8 +299,8 @@ def markdown(res: dict) -> str:
     by = {(c["rtt_ms"], c["mbit"], c["mode"]): c for c in res["cells"]}
     rows = ["| RTT ms | Mbit/s | mode | tok/s | τ | drafted nodes/step | verify round trip ms (wall) | "
             "of which server compute ms | network ms (wall − compute − queue) | bytes up/down per step (protobuf) | "
-            "bytes up/down per step (TCP payload at relay) | speedup vs cloud-only AR |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "bytes up/down per step (TCP payload at relay) | speedup vs cloud-only AR | trees used (steps) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for mbit in m["mbits"]:
         for rtt in m["rtts_ms"]:
             base = by[(rtt, mbit, "ar")]
@@ -306,7 +314,9 @@ def markdown(res: dict) -> str:
                     f"| {rtt:g} | {mbit:g} | {mode} | {c['tok_s']:.2f} | {c['tau']:.2f} | {c['drafted'] / st:.1f} | "
                     f"{c['link_wall_ms'] / st:.0f} | {c['link_compute_ms'] / st:.0f} | {c['link_rtt_ms'] / st:.1f} | "
                     f"{c['link_step_bytes_up'] / st:.0f} / {c['link_step_bytes_down'] / st:.0f} | "
-                    f"{c['relay_bytes_up'] / st:.0f} / {c['relay_bytes_down'] / st:.0f} | {sp:.2f}× |")
+                    f"{c['relay_bytes_up'] / st:.0f} / {c['relay_bytes_down'] / st:.0f} | {sp:.2f}× | "
+                    + ", ".join(f"{k} {v}" for k, v in sorted(c.get("shapes", {}).items(), key=lambda kv: -kv[1]))
+                    + " |")
     mm = m["machine"]
     head = (f"Machine: `{mm['arch']}`, {mm['nproc']} cores, {mm['cpu']}; {mm['date_utc']}. Draft {m['draft']}, "
             f"target {m['target']} (verifier: 1 llama.cpp thread, same 2-core CPU as the drafter). "

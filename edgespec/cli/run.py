@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
             s = session.stats
             print(json.dumps({"tokens": s.tokens, "steps": s.steps, "tau": s.tau, "acceptance_rate": s.acceptance_rate,
                               "tokens_per_second": s.tokens_per_second, "prepared_hits": s.prepared_hits,
+                              "shapes": s.shapes,
                               "link": s.link.as_dict() if s.link is not None else None, **s.extra},
                              default=str), file=sys.stderr)
     return 0

@@ -44,6 +44,7 @@ class SessionStats:
     verify_seconds: float = 0.0      # waiting for the verifier (round trip, queue, compute)
     prepared_hits: int = 0           # steps whose tree was drafted while the previous one was in flight
     prefill_seconds: float = 0.0     # prompt processing by both models (not in `seconds`)
+    shapes: dict[str, int] = field(default_factory=dict)  # steps per tree shape (TreeShape.label)
     extra: dict = field(default_factory=dict)
     link: Any = None  # edgespec.edge.link.LinkStats when verifying over gRPC (None in local mode)
 
@@ -69,11 +70,15 @@ class SessionStats:
         """Accumulate another run's counters (benchmarks sum per category)."""
         for name in self.COUNTERS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        for label, n in other.shapes.items():
+            self.shapes[label] = self.shapes.get(label, 0) + n
 
     def summary(self) -> str:
         return (f"{self.tokens} tokens in {self.seconds:.2f} s ({self.tokens_per_second:.2f} tok/s) "
                 f"after {self.prefill_seconds:.2f} s of prompt processing, "
-                f"{self.steps} target steps, tau {self.tau:.2f}, acceptance {self.acceptance_rate:.2f}")
+                f"{self.steps} target steps, tau {self.tau:.2f}, acceptance {self.acceptance_rate:.2f}"
+                + (", trees: " + ", ".join(f"{k} {v}" for k, v in sorted(self.shapes.items(), key=lambda kv: -kv[1]))
+                   if len(self.shapes) > 1 else ""))
 
 
 @dataclass
@@ -147,8 +152,9 @@ class Decoder:
                stop: Callable[[], bool] | None = None) -> Draft:
         shape = self.planner.choose() if self.planner else self.shape
         if shape.budget == 0:  # target-only decoding (the baseline): one token per step
-            return Draft(TokenTree.chain(committed[-1], []), [0], np.ones(1))
+            return Draft(TokenTree.chain(committed[-1], []), [0], np.ones(1), shape=shape.label)
         draft = self.drafter.grow(committed, shape, sampling, step, stop=stop)
+        draft.shape = shape.label
         if self.planner and not self.planner.exploring:
             q_per_node = float(draft.tree.q_tokens.shape[1])
             draft = draft.pruned(self.planner.prune_size(draft.scores[1:], draft.decodes, q_per_node,
@@ -171,6 +177,7 @@ class Decoder:
                 answered: float) -> None:
         s = self.stats
         s.steps += 1
+        s.shapes[draft.shape] = s.shapes.get(draft.shape, 0) + 1
         s.tokens += len(emitted)
         s.drafted += len(draft.tree) - 1
         s.accepted += len(result.path)

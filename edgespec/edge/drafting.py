@@ -43,6 +43,13 @@ class TreeShape:
         """No drafting at all: plain autoregressive decoding with the target (the baseline)."""
         return cls(budget=0)
 
+    @property
+    def label(self) -> str:
+        """Short name for stats: "target-only", "chain4", "tree16"."""
+        if self.budget == 0:
+            return "target-only"
+        return f"chain{self.budget}" if self.width == 1 and self.top_k == 1 else f"tree{self.budget}"
+
     @classmethod
     def chain(cls, k: int) -> "TreeShape":
         """Classic chain speculation with k drafted tokens."""
@@ -81,6 +88,7 @@ class Draft:
     scores: np.ndarray       # per tree node, the draft's path probability (root 1)
     seconds: float = 0.0
     decodes: int = 0
+    shape: str = ""          # TreeShape.label of the shape it was drafted with
 
     def pruned(self, n: int) -> "Draft":
         """The same draft cut to its n best nodes (for a smaller step than was drafted)."""
@@ -89,7 +97,7 @@ class Draft:
         t = self.tree
         tree = TokenTree(tokens=t.tokens[keep], parents=np.array([index.get(int(t.parents[i]), -1) for i in keep]),
                          q_tokens=t.q_tokens[keep], q_weights=t.q_weights[keep])
-        return Draft(tree, [self.node_seq[i] for i in keep], self.scores[keep], self.seconds, self.decodes)
+        return Draft(tree, [self.node_seq[i] for i in keep], self.scores[keep], self.seconds, self.decodes, self.shape)
 
 
 class Drafter:

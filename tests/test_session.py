@@ -30,11 +30,6 @@ def test_greedy_equals_target_only(sessions, smol_model, shape):
         assert_lossless(spec_tokens(session, tokens, 40), ref, f"{shape} / {prompt!r}")
 
 
-def session_greedy():
-    from edgespec.common.sampling import SamplingParams
-    return SamplingParams()
-
-
 def test_stream_concatenates_to_text(sessions):
     session = sessions["tree16"]
     text = session.chat(PROMPTS[0], max_tokens=30)
@@ -115,3 +110,20 @@ def test_cli_unreachable_verifier_falls_back_or_fails_clearly(smol_path):
     assert r.stdout.strip() and "verifying local" in r.stderr
     r = cli(*common, "--no-fallback")
     assert r.returncode == 2 and "no local fallback" in r.stderr
+
+
+def test_tree_shape_can_change_within_the_sessions_size(smol_path, smol_model, sessions):
+    with pytest.raises(InvalidRequestError, match="tree nodes"):
+        sessions["chain4"].tree_shape = TreeShape(budget=64, max_depth=10, top_k=6, width=8)
+    assert sessions["chain4"].tree_shape == TreeShape.chain(4)   # unchanged after the refusal
+    with EdgeSession(smol_path, smol_path, local=True, n_ctx=1024) as session:   # sized for the planner's ladder
+        tokens = session.draft_model.chat_tokens([{"role": "user", "content": PROMPTS[0]}])
+        ref = target_only_greedy(smol_model, tokens, 40)
+        session.tree_shape = TreeShape(budget=64, max_depth=10, top_k=6, width=8)
+        assert_lossless(spec_tokens(session, tokens, 40), ref, "tree64")
+        assert session.stats.shapes == {"tree64": session.stats.steps}
+        session.tree_shape = None   # back to the planner, which may pick any shape, target-only included
+        assert session.tree_shape is None and session.decoder.planner is not None
+        session.reset_stats()
+        assert_lossless(spec_tokens(session, tokens, 40), ref, "adaptive")
+        assert sum(session.stats.shapes.values()) == session.stats.steps

@@ -22,7 +22,8 @@ from pathlib import Path
 from edgespec.common.sampling import SamplingParams
 from edgespec.edge.decoder import SessionStats
 from edgespec.edge.drafting import TreeShape
-from edgespec.edge.session import EdgeSession
+from edgespec.edge.planner import LADDER
+from edgespec.edge.session import EdgeSession, tree_nodes_needed
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {
@@ -31,6 +32,7 @@ CONFIGS = {
     "tree16": TreeShape(budget=16, max_depth=6, top_k=4, width=4),
     "tree32": TreeShape(budget=32, max_depth=8, top_k=4, width=6),
     "tree64": TreeShape(budget=64, max_depth=10, top_k=6, width=8),
+    "adaptive": None,   # the planner (edge/planner.py) picks each step's shape, target-only included
 }
 
 
@@ -73,7 +75,8 @@ def main() -> int:
 
     prompts = load_prompts(args.spec_bench, args.per_category, args.humaneval, args.seed)
     names = args.configs.split(",")
-    largest = max((CONFIGS[n] for n in names), key=lambda s: max(s.budget, s.width * s.max_depth))
+    shapes = [s for n in names for s in ((CONFIGS[n],) if CONFIGS[n] is not None else LADDER)]
+    largest = max(shapes, key=lambda s: tree_nodes_needed([s]))
     session = EdgeSession(args.draft, args.target, local=True, tree=largest, n_ctx=2048)
     cells: dict[tuple[float, str, str], SessionStats] = defaultdict(SessionStats)
     for temperature in [float(t) for t in args.temperatures.split(",")]:
@@ -88,13 +91,15 @@ def main() -> int:
                 s = session.stats
                 for key in (category, "overall"):
                     cells[(temperature, name, key)].add(s)
-                print(f"T={temperature} {name:7s} {category:15s} tau={s.tau:.2f} {s.tokens_per_second:.2f} tok/s",
+                print(f"T={temperature} {name:7s} {category:15s} tau={s.tau:.2f} {s.tokens_per_second:.2f} tok/s "
+                      f"trees {s.shapes}",
                       file=sys.stderr, flush=True)
     session.close()
 
     if args.json:
         args.json.write_text(json.dumps([{"temperature": t, "config": n, "category": c, "tau": v.tau,
-                                          "tok_s": v.tokens_per_second, **{k: getattr(v, k) for k in v.COUNTERS}}
+                                          "tok_s": v.tokens_per_second, "shapes": v.shapes,
+                                          **{k: getattr(v, k) for k in v.COUNTERS}}
                                          for (t, n, c), v in cells.items()], indent=1))
     if args.markdown:
         print(f"\nMachine: {machine()}; models: draft={args.draft}, target={args.target}; "

@@ -14,7 +14,7 @@ from edgespec.common.errors import InvalidRequestError, TokenizerMismatchError
 from edgespec.common.sampling import SamplingParams
 from edgespec.edge.decoder import Decoder, SessionStats, Verifier
 from edgespec.edge.drafting import Drafter, TreeShape
-from edgespec.edge.planner import LADDER
+from edgespec.edge.planner import LADDER, Planner
 from edgespec.runtime.llama import ContextConfig, LlamaModel, TextStream
 from edgespec.runtime.tree_verifier import LlamaTreeVerifier
 
@@ -23,6 +23,11 @@ if TYPE_CHECKING:
     from edgespec.edge.failover import FailoverVerifier, SwitchEvent
 
 Messages = str | Sequence[dict[str, str]]
+
+
+def tree_nodes_needed(shapes: Sequence[TreeShape]) -> int:
+    """KV rows one step may need: the root plus the larger of the frontier decodes and the budget."""
+    return max(max(s.width * s.max_depth, s.budget) for s in shapes) + 1
 
 
 class EdgeSession:
@@ -58,7 +63,8 @@ class EdgeSession:
             raise InvalidRequestError("local=True and verifier=... exclude each other")
         self.draft_model = LlamaModel(modelstore.resolve(draft))
         shapes = LADDER if tree is None else (tree,)
-        config = ContextConfig(n_ctx=n_ctx, max_tree_nodes=max(max(s.width * s.max_depth, s.budget) for s in shapes) + 1)
+        config = ContextConfig(n_ctx=n_ctx, max_tree_nodes=tree_nodes_needed(shapes))
+        self._max_tree_nodes = config.max_tree_nodes
         self.stats = SessionStats()
         self.target_model: LlamaModel | None = None
         self._embedded = None
@@ -129,8 +135,13 @@ class EdgeSession:
         return self.decoder.shape
 
     @tree_shape.setter
-    def tree_shape(self, shape: TreeShape) -> None:
-        self.decoder.shape, self.decoder.planner = shape, None
+    def tree_shape(self, shape: TreeShape | None) -> None:
+        """A fixed shape from now on, or None: a fresh planner sizes each tree."""
+        nodes = tree_nodes_needed(LADDER if shape is None else (shape,))
+        if nodes > self._max_tree_nodes:
+            raise InvalidRequestError(f"tree shape {shape} needs up to {nodes} tree nodes; this session was "
+                                      f"made for {self._max_tree_nodes} (pass a bigger `tree` at creation)")
+        self.decoder.shape, self.decoder.planner = shape, (Planner() if shape is None else None)
 
     def close(self) -> None:
         try:

@@ -1,4 +1,5 @@
 """EdgeSession end to end on SmolLM2 (as its own draft: fast), local verification, and bad input."""
+import signal
 import subprocess
 import sys
 
@@ -84,6 +85,22 @@ def test_cli_run_local(smol_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
     assert "tokens in" in r.stderr and "tau" in r.stderr
+
+
+def test_cli_run_ctrl_c_keeps_the_answer_and_exits_130(smol_path):
+    proc = subprocess.Popen([sys.executable, "-m", "edgespec", "run", "Write a long story about a robot.", "--local",
+                             "--draft", str(smol_path), "--target", str(smol_path), "--max-tokens", "4000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.read(1)   # the answer has started
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert first and proc.returncode == 130, err
+    assert "interrupted:" in err and "Traceback" not in err
+    tokens = int(err.split("interrupted: ", 1)[1].split(" tokens", 1)[0])
+    assert 0 < tokens < 4000 and (first + out).strip()
 
 
 @pytest.mark.parametrize("args,message", [

@@ -71,10 +71,16 @@ def run(args: argparse.Namespace) -> int:
         if args.verifier:
             link.update(verifier=args.verifier, token=args.token or os.environ.get("EDGESPEC_TOKEN"), tls=args.tls_ca)
     with EdgeSession(args.draft, args.target, tree=shape, n_ctx=args.n_ctx, **link) as session:
-        for chunk in session.chat(messages, stream=True, max_tokens=args.max_tokens, temperature=args.temperature,
-                                  top_p=args.top_p, top_k=args.top_k, seed=args.seed):
-            sys.stdout.write(chunk)
-            sys.stdout.flush()
+        try:
+            for chunk in session.chat(messages, stream=True, max_tokens=args.max_tokens,
+                                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                      seed=args.seed):
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+        except KeyboardInterrupt:  # what was printed stands; say so, with the figures so far
+            sys.stdout.write("\n")
+            print(f"[edgespec] interrupted: {session.stats.summary()}", file=sys.stderr)
+            raise
         sys.stdout.write("\n")
         print(f"[edgespec] {session.stats.summary()}", file=sys.stderr)
         if args.json_stats:

@@ -347,6 +347,72 @@ def test_kv_slots_all_in_flight_is_resource_exhausted(smol_path):
         backend.close()
 
 
+def test_ended_streams_leave_a_prefix_cache(smol_path, smol_model):
+    """Registry level, real backend: the KV state of an ended stream serves the next session whose
+    context shares its prefix (only the rest is prefilled, and verification is unchanged); with
+    every slot needed, retained states go first, before any live session is evicted."""
+    from edgespec.verifier.llama_backend import LlamaCpuBackend
+    from edgespec.verifier.sessions import SessionRegistry
+
+    backend = LlamaCpuBackend(smol_path, n_ctx=512)
+    registry = SessionRegistry(backend, max_sessions=2)
+    prompt = smol_model.chat_tokens([{"role": "user", "content": "Name three colours."}])
+    other = smol_model.chat_tokens([{"role": "user", "content": "What is two plus two?"}])
+
+    def sync(tokens: list[int]):
+        s = registry.open_stream()
+        with registry.compute(s, time.monotonic()):
+            registry.ensure_slot(s, tokens).sync(tokens)
+        return s
+
+    try:
+        a = sync(prompt)
+        kept = a.kv
+        registry.close_stream(a)
+        assert registry.retained_slots == 1 and registry.live_sessions == 0
+        longer = prompt + [int(smol_model.tokenize("Red")[0])]
+        b = sync(longer)
+        assert b.kv is kept and registry.retained_slots == 0
+        assert registry.stats.prefix_hits == 1 and registry.stats.prefix_tokens_reused == len(prompt)
+        tree = TokenTree.chain(longer[-1], [1, 2, 3])
+        with registry.compute(b, time.monotonic()):
+            reused = b.kv.verify(tree, GREEDY, 0)
+        fresh = LlamaTreeVerifier(backend.model, ContextConfig(n_ctx=512))
+        try:
+            fresh.sync(longer)
+            assert fresh.verify(tree, GREEDY, 0).tokens == reused.tokens
+        finally:
+            fresh.close()
+        registry.close_stream(b)
+        c = sync(other)   # shares the chat template's opening with what b left behind
+        assert registry.stats.prefix_hits == 2 and c.kv is kept
+        registry.close_stream(c)
+        d = sync([5, 6, 7])      # no common prefix: a new slot (1 live + 1 retained fit in 2)
+        assert d.kv is not kept and registry.retained_slots == 1
+        e = sync([8, 9, 10])     # the slots are full: the retained state goes, no live session does
+        assert registry.retained_slots == 0 and registry.stats.evictions == 0 and d.kv is not None
+        sync([11, 12])           # now only live sessions are left: the idle LRU one (d) is evicted
+        assert registry.stats.evictions == 1 and d.kv is None and e.kv is not None
+    finally:
+        registry.close()
+        backend.close()
+
+
+def test_a_second_session_reuses_the_first_ones_prefill(server, smol_path, smol_model, prompts, reference):
+    """End to end: a session that ends leaves its KV behind; the next one with the same prompt
+    prefills nothing it already has, and its output is unchanged."""
+    with remote_session(server, smol_path) as s:
+        generate(s, prompts[0], 4)
+    wait_for_streams(server, 0)
+    before = server.info()
+    with remote_session(server, smol_path) as s:
+        out = generate(s, prompts[0])
+    after = server.info()
+    assert after.prefix_hits == before.prefix_hits + 1
+    assert after.prefix_tokens_reused - before.prefix_tokens_reused >= len(prompts[0])
+    assert_same_output(smol_model, prompts[0], out, reference[0], "after a prefix hit")
+
+
 def test_deadline_exceeded_while_queued(server, fingerprint, prompts):
     ch, waiting, _ = open_raw(server, fingerprint)
     ch2, busy, _ = open_raw(server, fingerprint)

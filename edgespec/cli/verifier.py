@@ -51,7 +51,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             backend, host=args.host, port=args.port, token=token, tls_cert=args.tls_cert, tls_key=args.tls_key,
             max_sessions=args.max_sessions, max_streams=args.max_streams,
             kv_budget_bytes=int(args.kv_budget_mb * 2**20) if args.kv_budget_mb else None,
-            idle_timeout_s=args.idle_timeout_s)
+            idle_timeout_s=args.idle_timeout_s, prefix_cache=not args.no_prefix_cache)
     except (OSError, ValueError) as exc:
         backend.close()
         raise CliError(str(exc), code=1) from exc
@@ -116,6 +116,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--n-ctx", type=int, default=4096, help="context window per session (default 4096)")
     p.add_argument("--max-nodes", type=int, default=128, help="largest tree accepted, root included")
     p.add_argument("--max-depth", type=int, default=32, help="deepest tree accepted")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="free the KV of a session when its stream ends instead of keeping it for the "
+                        "next session with the same prefix (e.g. an edge re-attaching)")
     p.add_argument("--idle-timeout-s", type=float, default=600.0,
                    help="free the KV of sessions idle this long (0: never)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads of llama.cpp or torch (default 1)")

@@ -19,6 +19,7 @@ import llama_cpp as C  # noqa: E402  (after numpy: its import prints nothing but
 import numpy as np
 
 from edgespec.common.errors import ContextOverflowError, ModelError
+from edgespec.common.tokens import common_prefix_length
 
 _BACKEND_LOCK = threading.Lock()
 _BACKEND_READY = False
@@ -244,12 +245,7 @@ class TreeContext:
         """
         if not tokens:
             raise ValueError("cannot sync to an empty context")
-        common = 0
-        for a, b in zip(self.tokens, tokens):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(tokens) - 1)  # always re-decode the last token to get its logits
+        common = min(common_prefix_length(self.tokens, tokens), len(tokens) - 1)  # always re-decode the last token to get its logits
         self.truncate(common)
         return self.ingest(tokens[common:])
 

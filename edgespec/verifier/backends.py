@@ -54,8 +54,13 @@ class BackendSession(abc.ABC):
 
     @property
     @abc.abstractmethod
+    def committed_tokens(self) -> list[int]:
+        """The committed context (read-only: callers must not modify it)."""
+
+    @property
     def committed_length(self) -> int:
         """Number of committed tokens (the edge's count must match before a Verify)."""
+        return len(self.committed_tokens)
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -30,8 +30,8 @@ class _LlamaSession(BackendSession):
         return self._verifier.verify(tree, sampling, step)
 
     @property
-    def committed_length(self) -> int:
-        return len(self._verifier.committed)
+    def committed_tokens(self) -> list[int]:
+        return self._verifier.committed
 
     def close(self) -> None:
         self._verifier.close()

@@ -61,7 +61,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             max_depth=i.max_depth, max_k=i.max_k, backend=i.backend, max_sessions=r.max_live,
             max_streams=r.max_streams, open_streams=r.open_streams, live_sessions=r.live_sessions,
             evictions=r.stats.evictions + r.stats.idle_evictions, resyncs=r.stats.resyncs,
-            verifies=r.stats.verifies)
+            verifies=r.stats.verifies, retained_slots=r.retained_slots, prefix_hits=r.stats.prefix_hits,
+            prefix_tokens_reused=r.stats.prefix_tokens_reused)
 
     # -- Session ------------------------------------------------------------------------------
     def Session(self, request_iterator: Iterator[pb.EdgeMessage],
@@ -130,7 +131,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if len(tokens) > self.info.n_ctx:
             raise ContextOverflowError(f"context of {len(tokens)} tokens exceeds n_ctx={self.info.n_ctx}")
         with self.registry.compute(session, received) as waited:
-            kv = self.registry.ensure_slot(session)
+            kv = self.registry.ensure_slot(session, tokens)
             started = time.monotonic()
             try:
                 kv.sync(tokens)
@@ -224,12 +225,14 @@ class VerifierServer:
 
     def __init__(self, backend: Backend, *, host: str = "127.0.0.1", port: int = 50051, token: str | None = None,
                  tls_cert: str | Path | None = None, tls_key: str | Path | None = None, max_sessions: int = 4,
-                 max_streams: int = 64, kv_budget_bytes: int | None = None, idle_timeout_s: float = 600.0) -> None:
+                 max_streams: int = 64, kv_budget_bytes: int | None = None, idle_timeout_s: float = 600.0,
+                 prefix_cache: bool = True) -> None:
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("TLS needs both a certificate and a key file")
         self.backend = backend
         self.registry = SessionRegistry(backend, max_sessions=max_sessions, max_streams=max_streams,
-                                        kv_budget_bytes=kv_budget_bytes, idle_timeout_s=idle_timeout_s)
+                                        kv_budget_bytes=kv_budget_bytes, idle_timeout_s=idle_timeout_s,
+                                        retain_closed=prefix_cache)
         # One thread per open stream (sync gRPC) plus a few for Info/health/reflection; calls past
         # that are refused with RESOURCE_EXHAUSTED by gRPC instead of queueing forever.
         workers = max_streams + 8

@@ -8,6 +8,11 @@
   `ResyncRequired(EVICTED)` (the edge re-sends Sync and retries). If every other slot belongs to a
   session with a request in flight, the request fails with RESOURCE_EXHAUSTED (VerifierBusyError).
 - Sessions idle longer than `idle_timeout_s` lose their slot the same way (reason IDLE_TIMEOUT).
+- Prefix cache: when a stream ends, its KV state stays as a *retained* slot (they count towards
+  `max_live` and are the first to go when a slot is needed). A session's first Sync adopts the
+  retained slot sharing the longest prefix with its context, so an edge that re-attaches after a
+  broken link, or a new conversation with the same system prompt, prefills only what differs.
+  The edge still sends its whole context; only computation is saved.
 - All model work (sync, verify, allocating and freeing KV) is serialised through one FIFO lock:
   the compute worker. The time a request waits for it is its queue time.
 """
@@ -22,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from edgespec.common.tokens import common_prefix_length
 from edgespec.common.wire import DeadlineExceededError, VerifierBusyError
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.verifier.backends import Backend, BackendSession
@@ -87,11 +93,14 @@ class RegistryStats:
     verifies: int = 0
     syncs: int = 0
     rejected_streams: int = 0
+    prefix_hits: int = 0          # Syncs that adopted a retained slot
+    prefix_tokens_reused: int = 0  # context tokens those Syncs did not have to prefill
 
 
 class SessionRegistry:
     def __init__(self, backend: Backend, *, max_sessions: int = 4, max_streams: int = 64,
-                 kv_budget_bytes: int | None = None, idle_timeout_s: float = 600.0) -> None:
+                 kv_budget_bytes: int | None = None, idle_timeout_s: float = 600.0,
+                 retain_closed: bool = True) -> None:
         if max_sessions < 1 or max_streams < 1:
             raise ValueError("max_sessions and max_streams must be >= 1")
         self.backend = backend
@@ -105,11 +114,13 @@ class SessionRegistry:
             self.max_live = min(max_sessions, int(fit))
         self.max_streams = max_streams
         self.idle_timeout_s = idle_timeout_s
+        self.retain_closed = retain_closed
         self.stats = RegistryStats()
         self.compute_lock = FifoLock()
         self._lock = threading.Lock()                       # guards the dicts and counters below
         self._streams: dict[str, ServerSession] = {}
         self._live: collections.OrderedDict[str, ServerSession] = collections.OrderedDict()  # LRU first
+        self._retained: collections.deque[BackendSession] = collections.deque()  # of ended streams, LRU first
         self._ids = itertools.count(1)
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
@@ -127,6 +138,11 @@ class SessionRegistry:
 
     def close_stream(self, session: ServerSession) -> None:
         with self.compute_lock_held():
+            if self.retain_closed and session.kv is not None and session.kv.committed_length > 0:
+                with self._lock:
+                    self._live.pop(session.id, None)
+                self._retained.append(session.kv)
+                session.kv = None
             self._drop_kv(session, Reason.REASON_UNSPECIFIED)
         with self._lock:
             self._streams.pop(session.id, None)
@@ -138,6 +154,10 @@ class SessionRegistry:
     @property
     def live_sessions(self) -> int:
         return len(self._live)
+
+    @property
+    def retained_slots(self) -> int:
+        return len(self._retained)
 
     # -- the compute worker -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -173,12 +193,39 @@ class SessionRegistry:
                 session.in_flight -= 1
 
     # -- KV slots (call only while holding the compute worker) --------------------------------
-    def ensure_slot(self, session: ServerSession) -> BackendSession:
-        """The session's KV state, allocating a slot (evicting the LRU idle session) if needed."""
+    def ensure_slot(self, session: ServerSession, context: list[int] | None = None) -> BackendSession:
+        """The session's KV state. A session without one adopts the retained slot sharing the
+        longest prefix with `context` (a Sync's tokens), else gets a new slot, freeing retained
+        slots first and then evicting the least recently used idle session."""
         if session.kv is not None:
             with self._lock:
                 self._live.move_to_end(session.id)
             return session.kv
+        kv = self._adopt_retained(context) if context else None
+        if kv is None:
+            kv = self._new_slot(session)
+        session.kv = kv
+        session.lost_reason = Reason.REASON_UNSPECIFIED
+        with self._lock:
+            self._live[session.id] = session
+        return kv
+
+    def _adopt_retained(self, context: list[int]) -> BackendSession | None:
+        best, best_len = None, 0
+        for kv in self._retained:
+            n = common_prefix_length(kv.committed_tokens, context)
+            if n > best_len:
+                best, best_len = kv, n
+        if best is None:
+            return None
+        self._retained.remove(best)
+        self.stats.prefix_hits += 1
+        self.stats.prefix_tokens_reused += best_len
+        return best
+
+    def _new_slot(self, session: ServerSession) -> BackendSession:
+        while self._retained and len(self._live) + len(self._retained) >= self.max_live:
+            self._close_kv(self._retained.popleft(), "retained")
         while len(self._live) >= self.max_live:
             with self._lock:
                 victim = next((s for s in self._live.values() if s is not session and s.in_flight == 0), None)
@@ -188,11 +235,7 @@ class SessionRegistry:
             log.info("evicting idle session %s (LRU) for %s", victim.id, session.id)
             self._drop_kv(victim, Reason.EVICTED)
             self.stats.evictions += 1
-        session.kv = self.backend.open_session()
-        session.lost_reason = Reason.REASON_UNSPECIFIED
-        with self._lock:
-            self._live[session.id] = session
-        return session.kv
+        return self.backend.open_session()
 
     def _drop_kv(self, session: ServerSession, reason: int) -> None:
         with self._lock:
@@ -200,10 +243,14 @@ class SessionRegistry:
         kv, session.kv = session.kv, None
         if kv is not None:
             session.lost_reason = reason
-            try:
-                kv.close()
-            except Exception:  # noqa: BLE001 - freeing must never take the server down
-                log.exception("closing the KV state of session %s failed", session.id)
+            self._close_kv(kv, f"session {session.id}")
+
+    @staticmethod
+    def _close_kv(kv: BackendSession, owner: str) -> None:
+        try:
+            kv.close()
+        except Exception:  # noqa: BLE001 - freeing must never take the server down
+            log.exception("closing the KV state of %s failed", owner)
 
     def invalidate(self, session: ServerSession, reason: int = Reason.UNKNOWN_CONTEXT) -> None:
         """Forget a session's KV (e.g. after a failed backend call left it in doubt)."""
@@ -248,3 +295,5 @@ class SessionRegistry:
         with self.compute_lock_held():
             for s in list(self._live.values()):
                 self._drop_kv(s, Reason.REASON_UNSPECIFIED)
+            while self._retained:
+                self._close_kv(self._retained.popleft(), "retained")

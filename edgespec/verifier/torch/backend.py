@@ -26,6 +26,7 @@ from edgespec.common.acceptance import (
     check_tree,
 )
 from edgespec.common.sampling import SamplingParams
+from edgespec.common.tokens import common_prefix_length
 from edgespec.common.tree import MAX_TREE_NODES, TokenTree
 from edgespec.verifier.backends import (
     Backend,
@@ -37,15 +38,6 @@ from edgespec.verifier.torch import gguf_weights
 from edgespec.verifier.torch.engine import Engine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class TorchSession(BackendSession):
@@ -65,11 +57,11 @@ class TorchSession(BackendSession):
         b = self.backend
         check_context(tokens, b.info.vocab_size, b.info.n_ctx, b.info.max_depth)
         target = list(tokens[:-1])
-        own = _common_prefix(self.cached_tokens, target)
+        own = common_prefix_length(self.cached_tokens, target)
         donor, shared = None, 0
         for other in b._sessions:
             if other is not self and not other.seq.closed:
-                n = _common_prefix(other.cached_tokens, target) // self.engine.cache.block_size
+                n = common_prefix_length(other.cached_tokens, target) // self.engine.cache.block_size
                 if n * self.engine.cache.block_size > max(shared, own):
                     donor, shared = other, n * self.engine.cache.block_size
         self.committed = []  # in doubt until the prefill below has finished
@@ -95,8 +87,8 @@ class TorchSession(BackendSession):
         return VerifyResult(path=acc.path, tokens=committed, margins=margins, compute_s=time.perf_counter() - started)
 
     @property
-    def committed_length(self) -> int:
-        return len(self.committed)
+    def committed_tokens(self) -> list[int]:
+        return self.committed
 
     def close(self) -> None:
         self.seq.close()

@@ -27,6 +27,7 @@ from edgespec.runtime.llama import ContextConfig
 from edgespec.runtime.tree_verifier import LlamaTreeVerifier
 from edgespec.v1 import edgespec_pb2 as pb
 from grpc_helpers import RawStream, ServerProcess, error_class, make_tls_files
+from netlab import wait_for
 
 TOKEN = "test-token-0123456789"
 SHAPE = TreeShape()  # fixed tree shape on both sides (no cost-model planning: keeps runs comparable)
@@ -632,3 +633,44 @@ def test_embedded_verifier_reports_startup_failure(tmp_path):
     bad.write_bytes(b"GGUF" + b"\x00" * 64)
     with pytest.raises(VerifierUnavailableError, match="exited with code"):
         EmbeddedVerifier(bad, startup_timeout_s=60)
+
+
+def test_prometheus_metrics(smol_path, smol_model, fingerprint, prompts, reference):
+    """--metrics-port: the figures Info reports, request histograms and error counts, over HTTP."""
+    import re
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    srv = ServerProcess(smol_path, "--n-ctx", str(N_CTX), "--metrics-port", "0")
+    try:
+        assert wait_for(lambda: any("metrics on http" in line for line in srv.stderr), 10), srv.stderr
+        url = re.search(r"metrics on (http://\S+/metrics)", "".join(srv.stderr)).group(1)
+
+        def scrape() -> dict[str, float]:
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+            return {(s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items()) if k != "le")): s.value
+                    for fam in text_string_to_metric_families(text) for s in fam.samples if "le" not in s.labels}
+
+        with remote_session(srv, smol_path) as s:
+            out = generate(s, prompts[0])
+            assert_same_output(smol_model, prompts[0], out, reference[0], "with metrics")
+            steps = s.stats.steps
+            m = scrape()
+            assert m["edgespec_verifier_open_streams"] == 1 and m["edgespec_verifier_live_sessions"] == 1
+        ch = srv.channel()
+        msg = wire.open_message("test", fingerprint)
+        msg.open.protocol_version = 2
+        expect_error(RawStream(ch).ask(msg), C.FAILED_PRECONDITION, "protocol version")
+        ch.close()
+        info = srv.info()
+        m = scrape()
+        assert m["edgespec_verifier_verifies_total"] == info.verifies == steps
+        assert m["edgespec_verifier_compute_seconds_count{kind=verify}"] == steps
+        assert m["edgespec_verifier_queue_seconds_count{kind=sync}"] == m["edgespec_verifier_syncs_total"] >= 1
+        assert m["edgespec_verifier_tree_nodes_count"] == steps
+        assert m["edgespec_verifier_tokens_per_verify_sum"] >= len(out)   # + the end's overshoot
+        assert m["edgespec_verifier_errors_total{code=FAILED_PRECONDITION}"] == 1
+        assert m["edgespec_verifier_retained_slots"] == info.retained_slots
+    finally:
+        srv.stop()

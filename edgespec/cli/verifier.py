@@ -51,7 +51,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             backend, host=args.host, port=args.port, token=token, tls_cert=args.tls_cert, tls_key=args.tls_key,
             max_sessions=args.max_sessions, max_streams=args.max_streams,
             kv_budget_bytes=int(args.kv_budget_mb * 2**20) if args.kv_budget_mb else None,
-            idle_timeout_s=args.idle_timeout_s, prefix_cache=not args.no_prefix_cache)
+            idle_timeout_s=args.idle_timeout_s, prefix_cache=not args.no_prefix_cache,
+            metrics=args.metrics_port is not None)
+        metrics_at = None
+        if args.metrics_port is not None:
+            metrics_at = server.serve_metrics(args.metrics_host or args.host, args.metrics_port)
+    except ImportError as exc:
+        backend.close()
+        raise CliError(f"--metrics-port needs prometheus-client (pip install 'edgespec[verifier]'): {exc}") from None
     except (OSError, ValueError) as exc:
         backend.close()
         raise CliError(str(exc), code=1) from exc
@@ -63,7 +70,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"{READY_PREFIX}{server.address}", flush=True)
     print(f"edgespec verifier: serving {info.model_id} ({path}) on {info.backend}, n_ctx {info.n_ctx}, "
           f"{server.registry.max_live} KV slots, tls {'on' if server.tls else 'off'}, "
-          f"auth {'on' if token else 'OFF'}", file=sys.stderr, flush=True)
+          f"auth {'on' if token else 'OFF'}"
+          + (f", metrics on http://{metrics_at}/metrics" if metrics_at else ""), file=sys.stderr, flush=True)
     parent = os.getppid()
     while not stop.wait(0.5):
         if args.exit_with_parent and os.getppid() != parent:
@@ -116,6 +124,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--n-ctx", type=int, default=4096, help="context window per session (default 4096)")
     p.add_argument("--max-nodes", type=int, default=128, help="largest tree accepted, root included")
     p.add_argument("--max-depth", type=int, default=32, help="deepest tree accepted")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port)")
+    p.add_argument("--metrics-host", default=None, help="address for the metrics endpoint (default: --host)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="free the KV of a session when its stream ends instead of keeping it for the "
                         "next session with the same prefix (e.g. an edge re-attaching)")

@@ -17,7 +17,7 @@ import logging
 import time
 from concurrent import futures
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -36,6 +36,9 @@ from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 from edgespec.verifier.backends import Backend
 from edgespec.verifier.sessions import Reason, ServerSession, SessionRegistry
 
+if TYPE_CHECKING:
+    from edgespec.verifier.metrics import VerifierMetrics
+
 log = logging.getLogger("edgespec.verifier")
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -47,9 +50,10 @@ def _ms(seconds: float) -> float:
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
-    def __init__(self, backend: Backend, registry: SessionRegistry) -> None:
+    def __init__(self, backend: Backend, registry: SessionRegistry, metrics: "VerifierMetrics | None" = None) -> None:
         self.backend = backend
         self.registry = registry
+        self.metrics = metrics
         self.info = backend.info
 
     # -- Info ---------------------------------------------------------------------------------
@@ -95,6 +99,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         code = wire.status_of(exc)
         message = str(exc) if isinstance(exc, EdgespecError) else f"internal error: {type(exc).__name__}: {exc}"
         log.info("session %s: %s %s", session.id if session else "?", code.name, message)
+        if self.metrics is not None:
+            self.metrics.errors.labels(code.name).inc()
         context.set_trailing_metadata(((wire.ERROR_CLASS_KEY, type(exc).__name__),))
         context.abort(code, message)
 
@@ -141,6 +147,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             session.synced = True
             self.registry.stats.syncs += 1
             computed = time.monotonic() - started
+        if self.metrics is not None:
+            self.metrics.observe("sync", waited, computed)
         return pb.VerifierMessage(synced=pb.Synced(n_tokens=len(tokens), queue_ms=_ms(waited), compute_ms=_ms(computed)))
 
     def _verify(self, session: ServerSession, msg: pb.Verify, received: float) -> pb.VerifierMessage:
@@ -172,6 +180,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 raise
             computed = time.monotonic() - started
             self.registry.stats.verifies += 1
+        if self.metrics is not None:
+            self.metrics.observe("verify", waited, computed)
+            self.metrics.observe_tree(len(tree), len(result.tokens))
         return wire.verified_message(msg.step, result.path, result.tokens, result.margins,
                                      queue_ms=_ms(waited), compute_ms=_ms(computed))
 
@@ -226,7 +237,9 @@ class VerifierServer:
     def __init__(self, backend: Backend, *, host: str = "127.0.0.1", port: int = 50051, token: str | None = None,
                  tls_cert: str | Path | None = None, tls_key: str | Path | None = None, max_sessions: int = 4,
                  max_streams: int = 64, kv_budget_bytes: int | None = None, idle_timeout_s: float = 600.0,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, metrics: bool = False) -> None:
+        """metrics=True keeps Prometheus metrics (edgespec/verifier/metrics.py, needs the
+        `verifier` extra); `serve_metrics` exposes them over HTTP."""
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("TLS needs both a certificate and a key file")
         self.backend = backend
@@ -243,7 +256,12 @@ class VerifierServer:
             options=[("grpc.keepalive_permit_without_calls", 1),
                      ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
                      ("grpc.http2.max_ping_strikes", 0)])
-        self.servicer = VerifierServicer(backend, self.registry)
+        self.metrics = None
+        if metrics:
+            from edgespec.verifier.metrics import VerifierMetrics
+
+            self.metrics = VerifierMetrics(self.registry)
+        self.servicer = VerifierServicer(backend, self.registry, self.metrics)
         pb_grpc.add_VerifierServicer_to_server(self.servicer, self._server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
@@ -267,10 +285,18 @@ class VerifierServer:
         self.registry.start_reaper()
         return self
 
+    def serve_metrics(self, host: str, port: int) -> str:
+        """Serve /metrics over HTTP (needs metrics=True); returns host:port."""
+        if self.metrics is None:
+            raise ValueError("this server was created without metrics")
+        return _host_port(host, self.metrics.serve(host, port))
+
     def stop(self, grace_s: float = 2.0) -> None:
         self.health.enter_graceful_shutdown()
         self._server.stop(grace_s).wait()
         self.registry.close()
+        if self.metrics is not None:
+            self.metrics.close()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         return self._server.wait_for_termination(timeout_s)

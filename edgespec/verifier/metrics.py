@@ -1,0 +1,85 @@
+"""Prometheus metrics of the verifier service: `edgespec verifier serve --metrics-port PORT`.
+
+Counts come straight from the session registry at scrape time (one source of truth, the same
+figures `Info` reports); distributions (queue and compute time, tree size, tokens per verify) are
+histograms observed by the servicer. Each server owns its own CollectorRegistry, so several
+servers can live in one process (tests) without clashing.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from edgespec.verifier.sessions import SessionRegistry
+
+SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _SessionFigures:
+    """Gauges and counters read from the SessionRegistry when Prometheus scrapes."""
+
+    def __init__(self, sessions: SessionRegistry) -> None:
+        self.sessions = sessions
+
+    def collect(self) -> Iterator[Metric]:
+        r = self.sessions
+        for name, doc, value in (
+                ("open_streams", "Session streams open now", r.open_streams),
+                ("live_sessions", "sessions holding a KV slot now", r.live_sessions),
+                ("retained_slots", "KV states of ended streams kept as a prefix cache", r.retained_slots),
+                ("kv_slots", "KV slots this verifier can hold (live + retained)", r.max_live),
+                ("queued_requests", "requests waiting for the compute worker now", r.compute_lock.queued)):
+            yield GaugeMetricFamily(f"edgespec_verifier_{name}", doc, value=value)
+        s = r.stats
+        for name, doc, value in (
+                ("syncs", "Sync requests served", s.syncs),
+                ("verifies", "trees verified", s.verifies),
+                ("evictions", "KV slots taken from idle sessions for others (LRU)", s.evictions),
+                ("idle_evictions", "KV slots freed after the idle timeout", s.idle_evictions),
+                ("resyncs", "ResyncRequired answers", s.resyncs),
+                ("rejected_streams", "streams refused at the stream limit", s.rejected_streams),
+                ("prefix_hits", "Syncs that adopted a retained KV state", s.prefix_hits),
+                ("prefix_tokens_reused", "context tokens not prefilled thanks to the prefix cache",
+                 s.prefix_tokens_reused)):
+            yield CounterMetricFamily(f"edgespec_verifier_{name}", doc, value=value)
+
+
+class VerifierMetrics:
+    """What the servicer observes per request, plus the registry's figures, in one registry."""
+
+    def __init__(self, sessions: SessionRegistry) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_SessionFigures(sessions))
+        self.queue_seconds = Histogram("edgespec_verifier_queue_seconds", "wait for the compute worker",
+                                       ["kind"], buckets=SECONDS, registry=self.registry)
+        self.compute_seconds = Histogram("edgespec_verifier_compute_seconds", "model time of a request",
+                                         ["kind"], buckets=SECONDS, registry=self.registry)
+        self.tree_nodes = Histogram("edgespec_verifier_tree_nodes", "nodes per verified tree (root included)",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=self.registry)
+        self.tokens_per_verify = Histogram("edgespec_verifier_tokens_per_verify",
+                                           "tokens committed per verified tree (accepted drafts + 1)",
+                                           buckets=(1, 2, 3, 4, 5, 6, 8, 12, 16, 32), registry=self.registry)
+        self.errors = Counter("edgespec_verifier_errors", "streams ended with an error status", ["code"],
+                              registry=self.registry)
+        self._http = None
+
+    def observe(self, kind: str, queue_s: float, compute_s: float) -> None:
+        self.queue_seconds.labels(kind).observe(queue_s)
+        self.compute_seconds.labels(kind).observe(compute_s)
+
+    def observe_tree(self, nodes: int, tokens: int) -> None:
+        self.tree_nodes.observe(nodes)
+        self.tokens_per_verify.observe(tokens)
+
+    def serve(self, host: str, port: int) -> int:
+        """Expose /metrics over HTTP; returns the port (port 0 picks a free one)."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._http.server_port)
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -674,3 +674,32 @@ def test_prometheus_metrics(smol_path, smol_model, fingerprint, prompts, referen
         assert m["edgespec_verifier_retained_slots"] == info.retained_slots
     finally:
         srv.stop()
+
+
+def test_a_vanished_edge_frees_its_stream(smol_path, prompts):
+    """An edge whose link goes silent without closing (power loss, partition: here a relay that
+    holds every byte) is detected by the server's keepalive pings; its stream and KV slot are freed."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import netrelay
+
+    srv = ServerProcess(smol_path, "--n-ctx", str(N_CTX), "--keepalive-s", "1")
+    try:
+        with netrelay.RelayThread(("127.0.0.1", srv.port)) as relay:
+            session = EdgeSession(smol_path, smol_path, verifier=netrelay.format_hostport(relay.address),
+                                  n_ctx=N_CTX, tree=SHAPE, fallback=False)
+            try:
+                generate(session, prompts[0], 4)
+                assert srv.info().open_streams == 1 and srv.info().live_sessions == 1
+                relay.stall(30.0)
+                started = time.monotonic()
+                assert wait_for(lambda: srv.info().open_streams == 0, 15), "the silent stream was never closed"
+                assert time.monotonic() - started < 10   # about keepalive (1 s) + its timeout (1 s)
+                info = srv.info()
+                assert info.live_sessions == 0 and info.retained_slots == 1   # its KV is a prefix cache now
+            finally:
+                relay.resume()
+                session.close()
+    finally:
+        srv.stop()

@@ -52,7 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_sessions=args.max_sessions, max_streams=args.max_streams,
             kv_budget_bytes=int(args.kv_budget_mb * 2**20) if args.kv_budget_mb else None,
             idle_timeout_s=args.idle_timeout_s, prefix_cache=not args.no_prefix_cache,
-            metrics=args.metrics_port is not None)
+            metrics=args.metrics_port is not None, keepalive_s=args.keepalive_s)
         metrics_at = None
         if args.metrics_port is not None:
             metrics_at = server.serve_metrics(args.metrics_host or args.host, args.metrics_port)
@@ -127,6 +127,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port)")
     p.add_argument("--metrics-host", default=None, help="address for the metrics endpoint (default: --host)")
+    p.add_argument("--keepalive-s", type=float, default=20.0,
+                   help="ping clients this often; a stream whose client does not answer within as long "
+                        "again is closed and its slots freed (0: never ping)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="free the KV of a session when its stream ends instead of keeping it for the "
                         "next session with the same prefix (e.g. an edge re-attaching)")

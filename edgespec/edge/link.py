@@ -46,6 +46,7 @@ _RESULT_FIELDS = {f.name for f in dataclasses.fields(VerifyResult)}  # per-step 
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),          # notice a dead peer during long idle chats
     ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.ping_timeout_ms", 10_000),      # what grpc core (1.85 here) times unanswered pings with
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", 64 << 20),

@@ -237,9 +237,13 @@ class VerifierServer:
     def __init__(self, backend: Backend, *, host: str = "127.0.0.1", port: int = 50051, token: str | None = None,
                  tls_cert: str | Path | None = None, tls_key: str | Path | None = None, max_sessions: int = 4,
                  max_streams: int = 64, kv_budget_bytes: int | None = None, idle_timeout_s: float = 600.0,
-                 prefix_cache: bool = True, metrics: bool = False) -> None:
+                 prefix_cache: bool = True, metrics: bool = False, keepalive_s: float = 20.0) -> None:
         """metrics=True keeps Prometheus metrics (edgespec/verifier/metrics.py, needs the
-        `verifier` extra); `serve_metrics` exposes them over HTTP."""
+        `verifier` extra); `serve_metrics` exposes them over HTTP.
+
+        keepalive_s: ping each client connection this often (and give up after as long again
+        without an answer), so that a stream whose edge vanished without closing it (power loss,
+        partition) is ended and its stream and KV slots are freed; 0 disables pinging."""
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("TLS needs both a certificate and a key file")
         self.backend = backend
@@ -249,11 +253,16 @@ class VerifierServer:
         # One thread per open stream (sync gRPC) plus a few for Info/health/reflection; calls past
         # that are refused with RESOURCE_EXHAUSTED by gRPC instead of queueing forever.
         workers = max_streams + 8
+        ping_ms = int(keepalive_s * 1000)
+        keepalive = [("grpc.keepalive_time_ms", ping_ms), ("grpc.keepalive_timeout_ms", ping_ms),
+                     ("grpc.http2.ping_timeout_ms", ping_ms),   # what grpc core times unanswered pings with
+                     ("grpc.http2.max_pings_without_data", 0)] if ping_ms > 0 else []  # 0: keep pinging an idle edge
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="edgespec-rpc"),
             interceptors=[BearerAuthInterceptor(token)] if token else [],
             maximum_concurrent_rpcs=workers,
-            options=[("grpc.keepalive_permit_without_calls", 1),
+            options=[*keepalive,
+                     ("grpc.keepalive_permit_without_calls", 1),
                      ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
                      ("grpc.http2.max_ping_strikes", 0)])
         self.metrics = None

@@ -107,6 +107,22 @@ def rtt(sock: socket.socket, payload: bytes = b"ping") -> float:
     return elapsed
 
 
+# A round trip on a path that works takes milliseconds here; asserts of the form `rtt(s) < FLOWS_S`
+# only say "data flows again", so the bound leaves room for a loaded CI machine (rtt() itself gives
+# up after 5 s).
+FLOWS_S = 2.0
+
+
+def rtts(sock: socket.socket, n: int = 3) -> list[float]:
+    """``n`` round trips, sorted.  Every sample carries the configured delay (check the smallest);
+    CPU load only ever adds to a sample, so upper bounds about the relay check the median."""
+    return sorted(rtt(sock) for _ in range(n))
+
+
+def median(samples: list[float]) -> float:
+    return sorted(samples)[len(samples) // 2]
+
+
 def expect_no_data(sock: socket.socket, wait_s: float) -> None:
     sock.settimeout(wait_s)
     with pytest.raises((socket.timeout, TimeoutError)):
@@ -119,9 +135,9 @@ def expect_no_data(sock: socket.socket, wait_s: float) -> None:
 def test_relay_rtt_matches_configured_delay(echo_addr: tuple[str, int]) -> None:
     with netrelay.RelayThread(echo_addr, delay_up_ms=50, delay_down_ms=50) as relay:
         with socket.create_connection(relay.address, timeout=5) as s:
-            samples = [rtt(s) for _ in range(3)]
+            samples = rtts(s, 5)
     assert min(samples) >= 0.100, samples
-    assert max(samples) < 0.300, samples
+    assert median(samples) < 0.300, samples
 
 
 def test_relay_preserves_bytes_and_order_with_jitter(echo_addr: tuple[str, int]) -> None:
@@ -136,7 +152,7 @@ def test_relay_preserves_bytes_and_order_with_jitter(echo_addr: tuple[str, int])
             s.settimeout(3)
             assert s.recv(10) == b""
         assert got == data
-        assert wait_for(lambda: relay.stats().active == 0, 3)
+        assert wait_for(lambda: relay.stats().active == 0, 10)
         st = relay.stats()
         assert st.bytes_up == len(data) and st.bytes_down == len(data), st
         assert st.connections == 1 and st.bytes_dropped_up == 0 and st.bytes_dropped_down == 0
@@ -154,11 +170,12 @@ def test_relay_throughput_not_one_chunk_per_delay(echo_addr: tuple[str, int]) ->
 
 
 def test_relay_stall_holds_then_releases(echo_addr: tuple[str, int]) -> None:
+    stall_s = 1.5  # well past the 0.5 s no-data window below, even if this thread is descheduled a while
     with netrelay.RelayThread(echo_addr, delay_up_ms=5, delay_down_ms=5) as relay:
         with socket.create_connection(relay.address, timeout=5) as s:
-            assert rtt(s) < 0.5
-            relay.stall(0.8)
-            t0 = time.monotonic()
+            assert rtt(s) < FLOWS_S
+            t0 = time.monotonic()  # before stall(): the stall ends >= stall_s after t0 (same clock)
+            relay.stall(stall_s)
             s.sendall(b"held data")
             expect_no_data(s, 0.5)  # held, connection open
             assert relay.stats().active == 1
@@ -169,7 +186,7 @@ def test_relay_stall_holds_then_releases(echo_addr: tuple[str, int]) -> None:
                 if len(got) >= 9:
                     break
             assert got == b"held data"
-            assert 0.75 <= time.monotonic() - t0 < 2.0
+            assert stall_s <= time.monotonic() - t0 < stall_s + 1.5
             # resume() ends a stall early
             relay.stall(30)
             s.sendall(b"x")
@@ -182,10 +199,12 @@ def test_relay_stall_holds_then_releases(echo_addr: tuple[str, int]) -> None:
 def test_relay_blackhole_drops_but_keeps_connections(echo_addr: tuple[str, int]) -> None:
     with netrelay.RelayThread(echo_addr, delay_up_ms=5, delay_down_ms=5) as relay:
         with socket.create_connection(relay.address, timeout=5) as s:
-            assert rtt(s) < 0.5
+            assert rtt(s) < FLOWS_S
             relay.blackhole(True)
             s.sendall(b"lost" * 1000)
             expect_no_data(s, 0.4)
+            # the relay may not have read all of it yet on a busy machine: wait for the count
+            assert wait_for(lambda: relay.stats().bytes_dropped_up >= 4000, 10), relay.stats()
             st = relay.stats()
             assert st.bytes_dropped_up == 4000 and st.active == 1, st
             # new connections are accepted during a blackhole, but nothing flows
@@ -194,39 +213,39 @@ def test_relay_blackhole_drops_but_keeps_connections(echo_addr: tuple[str, int])
                 expect_no_data(s2, 0.2)
             relay.blackhole(False)
             with socket.create_connection(relay.address, timeout=5) as s3:
-                assert rtt(s3) < 0.5
+                assert rtt(s3) < FLOWS_S
 
 
 def test_relay_reset_all_gives_connection_reset(echo_addr: tuple[str, int]) -> None:
     with netrelay.RelayThread(echo_addr, delay_up_ms=5, delay_down_ms=5) as relay:
         with socket.create_connection(relay.address, timeout=5) as s:
-            assert rtt(s) < 0.5
+            assert rtt(s) < FLOWS_S
             assert relay.reset_all() == 1
             s.settimeout(3)
             with pytest.raises(ConnectionResetError):
                 for _ in range(10):
                     s.recv(10)
                     s.sendall(b"z")
-        assert wait_for(lambda: relay.stats().active == 0, 3)
+        assert wait_for(lambda: relay.stats().active == 0, 10)
         assert relay.stats().resets == 1
         with socket.create_connection(relay.address, timeout=5) as s:  # relay still serves
-            assert rtt(s) < 0.5
+            assert rtt(s) < FLOWS_S
 
 
 def test_relay_refuse_closes_new_connections(echo_addr: tuple[str, int]) -> None:
     with netrelay.RelayThread(echo_addr) as relay:
         with socket.create_connection(relay.address, timeout=5) as old:
-            assert rtt(old) < 0.5  # (also makes sure the relay has taken it over)
+            assert rtt(old) < FLOWS_S  # (also makes sure the relay has taken it over)
             relay.refuse(True)
             with socket.create_connection(relay.address, timeout=5) as s:
                 s.settimeout(3)
                 assert s.recv(10) == b""  # closed at once (FIN)
             relay.refuse(True, reset=True)
             assert_connection_reset(relay.address)
-            assert rtt(old) < 0.5  # existing connections are untouched
+            assert rtt(old) < FLOWS_S  # existing connections are untouched
             relay.refuse(False)
             with socket.create_connection(relay.address, timeout=5) as s:
-                assert rtt(s) < 0.5
+                assert rtt(s) < FLOWS_S
         assert relay.stats().refused == 2
 
 
@@ -263,7 +282,7 @@ def test_relay_cli_and_control_port(echo_addr: tuple[str, int]) -> None:
         line: list[str] = []
         reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
         reader.start()
-        reader.join(10)
+        reader.join(30)
         if not (line and line[0]):
             err = proc.stderr.read() if proc.poll() is not None else ""
             pytest.fail(f"netrelay CLI printed no ready line; stderr: {err}")
@@ -272,12 +291,13 @@ def test_relay_cli_and_control_port(echo_addr: tuple[str, int]) -> None:
         ctl = netrelay.parse_hostport(info["control"])
         assert netrelay.control(ctl, "ping") == "ok pong"
         with socket.create_connection(listen, timeout=5) as s:
-            assert rtt(s) < 0.1
+            assert median(rtts(s)) < 0.1
             netrelay.control(ctl, "delay 60 60")
-            assert 0.120 <= rtt(s) < 0.4
+            delayed = rtts(s)
+            assert min(delayed) >= 0.120 and median(delayed) < 0.4, delayed
             netrelay.control(ctl, "delay 0 0")
             stats = json.loads(netrelay.control(ctl, "stats")[3:])
-            assert stats["connections"] == 1 and stats["bytes_up"] == 8
+            assert stats["connections"] == 1 and stats["bytes_up"] == 6 * len(b"ping")
             with pytest.raises(RuntimeError):
                 netrelay.control(ctl, "bogus")
             assert netrelay.control(ctl, "reset") == "ok 1"
@@ -349,7 +369,7 @@ def start_ns_echo(ns: str, host: str) -> tuple[subprocess.Popen[str], int]:
 def test_netns_echo_and_link_down(pair: netlab.NetnsPair) -> None:
     proc, port = start_ns_echo(pair.ns_b, pair.ip_b)
     with netlab.connect_from(pair.ns_a, (pair.ip_b, port), timeout_s=3) as s:
-        assert rtt(s) < 0.5
+        assert rtt(s) < FLOWS_S
     # The host namespace cannot reach it: the address exists only inside the pair.
     with pytest.raises(OSError):
         socket.create_connection((pair.ip_b, port), timeout=0.5).close()
@@ -370,7 +390,7 @@ def test_netns_echo_and_link_down(pair: netlab.NetnsPair) -> None:
             time.sleep(0.1)
     assert sock is not None, "link came back up but connect still fails"
     with sock:
-        assert rtt(sock) < 0.5
+        assert rtt(sock) < FLOWS_S
     assert proc.poll() is None
 
 
@@ -400,7 +420,8 @@ def test_netns_relay_inside_namespace(pair: netlab.NetnsPair) -> None:
         thread_init=lambda: netlab.enter_netns(pair.ns_a),
     ) as relay:
         with netlab.connect_from(pair.ns_a, relay.address, timeout_s=3) as s:
-            assert 0.060 <= rtt(s) < 0.3
+            samples = rtts(s)
+            assert min(samples) >= 0.060 and median(samples) < 0.3, samples
 
 
 @pytest.mark.netns
@@ -414,7 +435,7 @@ def test_netns_block_firewall(pair: netlab.NetnsPair) -> None:
         netlab.connect_from(pair.ns_a, (pair.ip_b, port), timeout_s=1.0).close()
     netlab.block(pair.ns_b, False)
     with netlab.connect_from(pair.ns_a, (pair.ip_b, port), timeout_s=3) as s:
-        assert rtt(s) < 0.5
+        assert rtt(s) < FLOWS_S
 
 
 @pytest.mark.netns

@@ -265,7 +265,9 @@ def test_idle_timeout_asks_for_resync(small_server, fingerprint, prompts):
     ch, s, _ = open_raw(small_server, fingerprint)
     try:
         s.ask(wire.sync_message(prompts[0]))
-        time.sleep(1.8)  # idle timeout 1 s, reaper every 0.25 s
+        # idle timeout 1 s, reaper every 0.25 s: after ~1.25 s the reaper frees the slot of this, the
+        # one live session (one KV slot); Info does not touch the session, a busy reaper may be late
+        assert wait_for(lambda: small_server.info().live_sessions == 0, 15), small_server.info()
         tree = TokenTree.chain(prompts[0][-1], [])
         reply = s.ask(wire.verify_message(tree, GREEDY, 0))
         assert reply.WhichOneof("kind") == "resync_required"
@@ -418,12 +420,15 @@ def test_deadline_exceeded_while_queued(server, fingerprint, prompts):
     ch, waiting, _ = open_raw(server, fingerprint)
     ch2, busy, _ = open_raw(server, fingerprint)
     try:
+        wait_for_streams(server, 2)  # only ours are open: live sessions are ours (ended ones are retained)
         waiting.ask(wire.sync_message(prompts[0]))
+        assert server.info().live_sessions == 1
         rng = random.Random(0)
         long_context = [rng.randrange(100, 40000) for _ in range(300)]  # ~2 s of prefill on one thread
         t = threading.Thread(target=busy.ask, args=(wire.sync_message(long_context),))
         t.start()
-        time.sleep(0.2)
+        # busy's Sync holds the compute worker once it has its KV slot (it prefills right after)
+        assert wait_for(lambda: server.info().live_sessions == 2, 15), server.info()
         reply = waiting.ask(wire.verify_message(TokenTree.chain(prompts[0][-1], []), GREEDY, 0, deadline_ms=50))
         err = expect_error(reply, C.DEADLINE_EXCEEDED, "deadline of 50 ms")
         assert error_class(err) == "DeadlineExceededError"
@@ -663,6 +668,7 @@ def test_prometheus_metrics(smol_path, smol_model, fingerprint, prompts, referen
         msg.open.protocol_version = 2
         expect_error(RawStream(ch).ask(msg), C.FAILED_PRECONDITION, "protocol version")
         ch.close()
+        wait_for_streams(srv, 0)  # both streams ended on the server too: the figures below stay put
         info = srv.info()
         m = scrape()
         assert m["edgespec_verifier_verifies_total"] == info.verifies == steps

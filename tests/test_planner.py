@@ -78,3 +78,29 @@ def test_acceptance_is_corrected_per_depth():
     chain_depths = np.arange(1, 31)   # a long chain: everything past depth 2 is worth little
     wide_depths = np.repeat([1, 2], 15)
     assert p.prune_size(scores, decodes=6, depths=chain_depths) < p.prune_size(scores, decodes=6, depths=wide_depths)
+
+
+def test_exploration_is_rarer_when_the_neighbour_is_known_to_be_far_worse():
+    """Round trips cost nothing and nodes a lot: target-only is best; once chain(2) has been tried
+    and found far worse it is tried every 4th exploration slot only. With a far link and cheap
+    nodes (a GPU verifier far away) the planner leaves target-only and keeps exploring."""
+    def explorations(planner: Planner, steps: int, **costs) -> tuple[int, Planner]:
+        tried, choose = 0, planner.choose
+
+        def counting_choose():
+            nonlocal tried
+            shape = choose()
+            tried += planner.exploring
+            return shape
+
+        planner.choose = counting_choose
+        feed(planner, **costs, steps=steps)
+        return tried, planner
+
+    near, p = explorations(Planner(), 500, rtt_s=0.0, bandwidth_bps=12.5e6, verify_fixed_s=0.0,
+                           verify_per_node_s=0.06, accept_fn=lambda s: 0.5 * s)
+    assert p.choose().budget == 0 and p.realized[1][0] >= 3
+    assert 500 // 16 // 4 <= near <= 500 // 16 // 4 + 3   # 3 tries to learn, then every 4th slot
+    far, p = explorations(Planner(), 500, rtt_s=0.2, bandwidth_bps=12.5e6, verify_fixed_s=0.01,
+                          verify_per_node_s=0.0005, accept_fn=lambda s: s)
+    assert p.choose().budget >= 16 and far >= 500 // 16 - 2

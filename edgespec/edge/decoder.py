@@ -124,7 +124,10 @@ class Decoder:
             else:
                 draft = self._draft(committed, sampling, step)
             sent = time.perf_counter()
-            if self._pool is not None and len(draft.tree) > 1:
+            # Pipelined: draft the next tree while this one is verified. Under the planner this holds
+            # for target-only steps too: the draft then just takes in the committed tokens, so its
+            # KV cache is current whenever speculating pays again (no catch-up prefill then).
+            if self._pool is not None and (len(draft.tree) > 1 or self.planner is not None):
                 future = self._pool.submit(self.verifier.verify, draft.tree, sampling, step)
                 prepared = self._draft_ahead(committed, draft, sampling, step + 1, future.done)
                 result = future.result()

@@ -98,6 +98,7 @@ class Planner:
     trials: np.ndarray = field(default_factory=lambda: np.ones(len(SCORE_BINS) - 1) * 2)
     steps: int = 0
     last_choice: int = 2     # chain(4) until the first choice
+    exploring: bool = False  # the last choice tries a neighbouring shape (see choose)
     realized: dict[int, tuple[int, float]] = field(default_factory=dict)  # rung -> (count, mean tokens/step)
     # per depth: acceptances observed and predicted by the score bins (index 0 unused: the root)
     depth_hits: np.ndarray = field(default_factory=lambda: np.zeros(MAX_TRACKED_DEPTH + 1))
@@ -175,18 +176,22 @@ class Planner:
         return 1 + sum(a_eff ** d for d in range(1, shape.max_depth + 1))
 
     # -- decisions ----------------------------------------------------------------------------
-    @property
-    def exploring(self) -> bool:
-        """Every explore_every steps try a neighbouring shape, unpruned, so estimates stay fresh."""
-        return self.steps > 0 and self.steps % self.explore_every == 0
-
     def choose(self) -> TreeShape:
-        """The ladder shape with the best predicted tokens/second (with periodic exploration)."""
+        """The ladder shape with the best predicted tokens/second. Every explore_every steps a
+        neighbouring shape is tried instead, unpruned (`exploring`), so estimates stay fresh; each
+        try costs real time, so a neighbour that was tried 3 times already and is still predicted
+        at under half the best rate is tried only every 4th time."""
         rates = [self.expected_tokens(i) / self.step_seconds(s.budget, s.max_depth if s.budget else 0)
                  for i, s in enumerate(self.ladder)]
         best = int(np.argmax(rates))
-        if self.exploring:
-            best = min(len(self.ladder) - 1, best + 1) if self.steps % (2 * self.explore_every) else max(0, best - 1)
+        self.exploring = False
+        if self.steps > 0 and self.steps % self.explore_every == 0:
+            e = self.explore_every
+            up = best == 0 or (self.steps % (2 * e) and best + 1 < len(self.ladder))  # alternate; turn at the ends
+            n = best + 1 if up else best - 1
+            known_bad = self.realized.get(n, (0, 0.0))[0] >= 3 and rates[n] < 0.5 * rates[best]
+            if not known_bad or self.steps % (4 * e) == 0:
+                best, self.exploring = n, True
         self.last_choice = best
         return self.ladder[best]
 

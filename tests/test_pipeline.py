@@ -35,7 +35,7 @@ def test_pipelined_remote_session_is_lossless(smol_path, smol_model, tree, reque
     # tree16: the bundled verifier, pipelined; adaptive: a verifier 50 ms away, pipelined
     remote = {} if tree is not None else {"verifier": request.getfixturevalue("distant_verifier")}
     with EdgeSession(smol_path, smol_path, tree=tree, n_ctx=1024, **remote) as session:
-        assert session.decoder._pool is not None
+        assert session.decoder.drafts_ahead
         for prompt in PROMPTS:
             tokens = session.draft_model.chat_tokens([{"role": "user", "content": prompt}])
             ref = target_only_greedy(smol_model, tokens, 48)

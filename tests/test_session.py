@@ -137,10 +137,12 @@ def test_tree_shape_can_change_within_the_sessions_size(smol_path, smol_model, s
         tokens = session.draft_model.chat_tokens([{"role": "user", "content": PROMPTS[0]}])
         ref = target_only_greedy(smol_model, tokens, 40)
         session.tree_shape = TreeShape(budget=64, max_depth=10, top_k=6, width=8)
+        assert not session.decoder.drafts_ahead   # local + fixed shape: step by step, reproducible
         assert_lossless(spec_tokens(session, tokens, 40), ref, "tree64")
         assert session.stats.shapes == {"tree64": session.stats.steps}
         session.tree_shape = None   # back to the planner, which may pick any shape, target-only included
         assert session.tree_shape is None and session.decoder.planner is not None
+        assert session.decoder.drafts_ahead       # the planner drafts ahead, here too
         session.reset_stats()
         assert_lossless(spec_tokens(session, tokens, 40), ref, "adaptive")
         assert sum(session.stats.shapes.values()) == session.stats.steps

@@ -1,6 +1,7 @@
 """The speculative decode loop: draft a tree, have it verified, commit what the verifier returns.
 
-With a remote verifier the loop is pipelined (double buffering): while a tree is in flight, the
+With a remote verifier, and under the planner also with the local one, the loop is pipelined
+(double buffering; the verifier runs on a worker thread or elsewhere): while a tree is in flight, the
 drafter assumes the tree's most probable path will be accepted, predicts the target's next token
 with the draft model, and drafts the following tree from there. If the verifier's answer matches
 that guess, the prepared tree goes out at once; otherwise the drafter's KV cache keeps whatever
@@ -92,21 +93,28 @@ class Decoder:
 
     def __init__(self, drafter: Drafter, verifier: Verifier, stats: SessionStats, shape: TreeShape | None,
                  is_end: Callable[[int], bool], pipelined: bool) -> None:
+        """pipelined: always draft ahead (remote verifier). Otherwise fixed shapes run step by
+        step, so a seeded local run is reproducible; the planner, whose trees depend on timing
+        anyway, drafts ahead in both modes."""
         self.drafter, self.verifier, self.stats = drafter, verifier, stats
         self.shape = shape
         self.planner = Planner() if shape is None else None
         self.is_end = is_end
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="edgespec-verify") if pipelined else None
+        self.pipelined = pipelined
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="edgespec-verify")
+
+    @property
+    def drafts_ahead(self) -> bool:
+        return self.pipelined or self.planner is not None
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
 
     def run(self, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> Iterator[list[int]]:
         """Yields the tokens committed by each target step (end-of-generation token excluded)."""
         committed = list(prompt)
         started = time.perf_counter()
-        if self._pool is not None:  # prefill both models at once: the verifier is elsewhere
+        if self.drafts_ahead:  # prefill both models at once (the verifier on its own thread or host)
             synced = self._pool.submit(self.verifier.sync, committed)
             self.drafter.predict_next(committed)
             synced.result()
@@ -127,7 +135,7 @@ class Decoder:
             # Pipelined: draft the next tree while this one is verified. Under the planner this holds
             # for target-only steps too: the draft then just takes in the committed tokens, so its
             # KV cache is current whenever speculating pays again (no catch-up prefill then).
-            if self._pool is not None and (len(draft.tree) > 1 or self.planner is not None):
+            if self.drafts_ahead and (len(draft.tree) > 1 or self.planner is not None):
                 future = self._pool.submit(self.verifier.verify, draft.tree, sampling, step)
                 prepared = self._draft_ahead(committed, draft, sampling, step + 1, future.done)
                 result = future.result()

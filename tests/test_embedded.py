@@ -16,7 +16,7 @@ from edgespec.edge.embedded import EmbeddedVerifier
 from edgespec.edge.failover import Breaker
 from netlab import wait_for
 from lossless import target_only_greedy
-from test_failover import MAX_TOKENS, N_CTX, PROBE_S, PROMPT, SHAPE, Recorder, check_run, fo_stats, pull
+from failover_helpers import MAX_TOKENS, N_CTX, PROBE_S, PROMPT, SHAPE, Recorder, check_run, fo_stats, pull
 
 
 @pytest.fixture(scope="module")

@@ -15,115 +15,25 @@ from pathlib import Path
 
 import pytest
 
-from edgespec import EdgeSession, TreeShape
+from edgespec import EdgeSession
 from edgespec.common.errors import InvalidTreeError, VerifierUnavailableError
 from edgespec.common.tree import TokenTree
 from edgespec.edge.failover import Breaker, FailoverVerifier, LocalFallback
 from edgespec.runtime.llama import ContextConfig
-from edgespec.runtime.tree_verifier import LlamaTreeVerifier
 from grpc_helpers import ServerProcess
-from lossless import GREEDY, NEAR_TIE_MARGIN, assert_lossless, target_only_greedy
+from failover_helpers import (MAX_TOKENS, N_CTX, PROBE_S, PROMPT, SHAPE, Recorder, assert_targets_choices,
+                              check_run, fo_stats, pull)
+from lossless import GREEDY, assert_lossless, target_only_greedy
 from netlab import wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import netrelay  # noqa: E402
-
-N_CTX = 2048
-SHAPE = TreeShape(budget=6, max_depth=3, top_k=2, width=2)  # a small real tree; fixed, so runs compare
-PROMPT = "Explain, step by step and in detail, how a computer boots."
-MAX_TOKENS = 160
-PROBE_S = 0.3
-
-
-# -- helpers ------------------------------------------------------------------------------------
-class Recorder:
-    """Spies on session.generate_tokens: the tokens committed per step, with the time they came
-    (monotonic, and wall-clock to compare with the failover's event times)."""
-
-    def __init__(self, session: EdgeSession) -> None:
-        self.steps: list[list[int]] = []
-        self.times: list[float] = []
-        self.walls: list[float] = []
-        inner = session.generate_tokens
-
-        def spy(*args, **kwargs):
-            for tokens in inner(*args, **kwargs):
-                self.steps.append(list(tokens))
-                self.times.append(time.monotonic())
-                self.walls.append(time.time())
-                yield tokens
-
-        session.generate_tokens = spy
-
-    @property
-    def tokens(self) -> list[int]:
-        return [t for step in self.steps for t in step]
-
-
-def pull(stream, chunks: list[str], until, max_steps: int = 400) -> None:
-    """Consume chunks until `until()` holds (the stream must not end first)."""
-    for _ in range(max_steps):
-        if until():
-            return
-        chunks.append(next(stream))
-    raise AssertionError("condition not reached")
-
-
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def fo_stats(session: EdgeSession) -> dict:
-    return session.stats.extra["failover"]
-
-
-def assert_targets_choices(model, prompt: list[int], out: list[int], label: str) -> list[int]:
-    """Teacher-forced check of EVERY committed token: each is the target's greedy choice after the
-    tokens before it, or sits where the target's top-2 margin is < NEAR_TIE_MARGIN. A lost or
-    duplicated token would show up here (also after a near-tie, where a plain comparison with a
-    reference run has to stop). Returns the positions of near-ties."""
-    verifier = LlamaTreeVerifier(model, ContextConfig(n_ctx=N_CTX))
-    ties, i = [], 0
-    try:
-        verifier.sync(prompt)
-        while i < len(out):
-            chunk = out[i:i + 16]
-            result = verifier.verify(TokenTree.chain(verifier.committed[-1], chunk), GREEDY, i)
-            n = len(result.path)
-            if n < len(chunk):
-                assert result.margins[n] < NEAR_TIE_MARGIN, (
-                    f"{label}: token {i + n} ({chunk[n]}) is not the target's choice ({result.tokens[-1]}) and the "
-                    f"target's margin there is {result.margins[n]:.3f}: a lost, duplicated or wrong token")
-                ties.append(i + n)
-                n += 1
-            i += n
-            verifier.sync(prompt + out[:i])
-    finally:
-        verifier.close()
-    return ties
-
-
-def check_run(model, session: EdgeSession, rec: Recorder, chunks: list[str], reference, label: str) -> None:
-    """The invariant: nothing lost or duplicated, the target's output, chunks == text."""
-    prompt = session.draft_model.chat_tokens([{"role": "user", "content": PROMPT}])
-    out = rec.tokens
-    assert 0 < len(out) <= MAX_TOKENS
-    ended = len(out) < MAX_TOKENS
-    candidate = out + [model.eos] if ended else out
-    # the stream of chunks concatenates to the text of exactly the committed tokens
-    text = b"".join(model.token_bytes(t) for t in out).decode("utf-8", "replace")
-    assert "".join(chunks) == text, label
-    # what the failover verifier holds as committed is the prompt plus exactly these tokens
-    committed = session.failover.committed
-    assert committed[:len(prompt) + len(candidate)] == prompt + candidate, label
-    assert len(committed) - len(prompt) - len(out) <= SHAPE.max_depth + 1  # the last step's overshoot
-    assert_lossless(candidate, reference, label)
-    ties = assert_targets_choices(model, prompt, candidate, label)
-    print(f"{label}: {len(out)} tokens, near-ties at {ties}")
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ for p in (str(HERE), str(HERE.parent / "tools")):
 import netlab  # noqa: E402
 import netrelay  # noqa: E402
 from lossless import assert_lossless, target_only_greedy  # noqa: E402
-from test_failover import assert_targets_choices  # noqa: E402
+from failover_helpers import assert_targets_choices  # noqa: E402
 
 pytestmark = pytest.mark.netns
 

@@ -12,8 +12,9 @@ verifier's output: no token is lost or duplicated by the pipelining.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
 
@@ -115,8 +116,8 @@ class Decoder:
         committed = list(prompt)
         started = time.perf_counter()
         if self.drafts_ahead:  # prefill both models at once (the verifier on its own thread or host)
-            synced = self._pool.submit(self.verifier.sync, committed)
-            self.drafter.predict_next(committed)
+            with self._on_verify_thread(self.verifier.sync, committed) as synced:
+                self.drafter.predict_next(committed)
             synced.result()
         else:
             self.verifier.sync(committed)
@@ -136,8 +137,8 @@ class Decoder:
             # for target-only steps too: the draft then just takes in the committed tokens, so its
             # KV cache is current whenever speculating pays again (no catch-up prefill then).
             if self.drafts_ahead and (len(draft.tree) > 1 or self.planner is not None):
-                future = self._pool.submit(self.verifier.verify, draft.tree, sampling, step)
-                prepared = self._draft_ahead(committed, draft, sampling, step + 1, future.done)
+                with self._on_verify_thread(self.verifier.verify, draft.tree, sampling, step) as future:
+                    prepared = self._draft_ahead(committed, draft, sampling, step + 1, future.done)
                 result = future.result()
             else:
                 result = self.verifier.verify(draft.tree, sampling, step)
@@ -157,6 +158,17 @@ class Decoder:
                 yield emitted
             if end is not None:
                 return
+
+    @contextlib.contextmanager
+    def _on_verify_thread(self, fn: Callable[..., Any], *args: Any) -> Iterator[Future]:
+        """Run fn on the verify thread while the body drafts here. However the body ends (an
+        error, Ctrl-C), the call has finished on exit: the verifier is never left working behind
+        the caller's back, where the next request would meet it half-way through."""
+        future = self._pool.submit(fn, *args)
+        try:
+            yield future
+        finally:
+            wait([future])
 
     # -- drafting -----------------------------------------------------------------------------
     def _draft(self, committed: list[int], sampling: SamplingParams, step: int,

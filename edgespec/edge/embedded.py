@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 import weakref
-from typing import Sequence
+from typing import IO, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -86,6 +86,7 @@ class EmbeddedVerifier:
         self._next_restart = 0.0
         self.restarts = 0
         self.proc: subprocess.Popen | None = None
+        self._stderr: IO[bytes] | None = None
         self._finalizer: weakref.finalize | None = None
         try:
             self.address = self._start()
@@ -100,7 +101,7 @@ class EmbeddedVerifier:
                                 env=self._env, text=True, start_new_session=True)  # Ctrl-C is the parent's
         lines: queue.Queue = queue.Queue()
         with self._lock:
-            old_stderr = getattr(self, "_stderr", None)
+            old_stderr = self._stderr
             self.proc, self._stderr, self._lines = proc, stderr, lines
             if self._finalizer is not None:
                 self._finalizer.detach()
@@ -136,8 +137,9 @@ class EmbeddedVerifier:
                 address = self._start()
             except BaseException:
                 with self._lock:
-                    if self.proc is not None:
-                        _terminate(self.proc, self.stop_timeout_s)
+                    failed = self.proc
+                if failed is not None:
+                    _terminate(failed, self.stop_timeout_s)
                 self._next_restart = time.monotonic() + self._backoff_s
                 self._backoff_s = min(2 * self._backoff_s, self.MAX_RESTART_BACKOFF_S)
                 raise
@@ -156,6 +158,8 @@ class EmbeddedVerifier:
         lines.put(None)
 
     def _stderr_tail(self, n: int = 4000) -> str:
+        if self._stderr is None:
+            return ""
         try:
             self._stderr.seek(0)
             return self._stderr.read().decode("utf-8", "replace")[-n:].strip()
@@ -204,7 +208,7 @@ class EmbeddedVerifier:
         progress is cut short (its child is terminated as soon as it is spawned)."""
         with self._lock:
             self._stopped = True
-            proc, stderr = self.proc, getattr(self, "_stderr", None)
+            proc, stderr = self.proc, self._stderr
             if self._finalizer is not None:
                 self._finalizer.detach()
         if proc is None:

@@ -143,7 +143,8 @@ class SessionRegistry:
                     self._live.pop(session.id, None)
                 self._retained.append(session.kv)
                 session.kv = None
-            self._drop_kv(session, Reason.REASON_UNSPECIFIED)
+            else:
+                self._drop_kv(session, Reason.REASON_UNSPECIFIED)
         with self._lock:
             self._streams.pop(session.id, None)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import codecs
 import ctypes
-import hashlib
 import os
 import threading
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ import llama_cpp as C  # noqa: E402  (after numpy: its import prints nothing but
 import numpy as np
 
 from edgespec.common.errors import ContextOverflowError, ModelError
-from edgespec.common.tokens import common_prefix_length
+from edgespec.common.tokens import common_prefix_length, tokenizer_fingerprint
 
 _BACKEND_LOCK = threading.Lock()
 _BACKEND_READY = False
@@ -97,11 +96,8 @@ class LlamaModel:
     def tokenizer_fingerprint(self) -> str:
         """sha256 over the token list: equal fingerprints mean draft tokens mean the same to the target."""
         if self._fingerprint is None:
-            h = hashlib.sha256()
-            for t in range(self.n_vocab):
-                h.update(C.llama_vocab_get_text(self._vocab, t) or b"")
-                h.update(b"\x00")
-            self._fingerprint = h.hexdigest()
+            self._fingerprint = tokenizer_fingerprint(
+                C.llama_vocab_get_text(self._vocab, t) or b"" for t in range(self.n_vocab))
         return self._fingerprint
 
     # -- chat ---------------------------------------------------------------------------------

@@ -16,12 +16,12 @@ llama.cpp conventions handled here:
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from edgespec.common import tokens
 from edgespec.common.errors import ModelError
 from edgespec.verifier.torch.model import ARCHITECTURES, Decoder, ModelConfig
 
@@ -81,11 +81,7 @@ def read_config(reader) -> ModelConfig:
 def tokenizer_fingerprint(reader) -> str:
     """The sha256 LlamaModel.tokenizer_fingerprint() computes, from the GGUF token list directly."""
     field = reader.fields["tokenizer.ggml.tokens"]
-    h = hashlib.sha256()
-    for idx in field.data:
-        h.update(bytes(field.parts[idx]))
-        h.update(b"\x00")
-    return h.hexdigest()
+    return tokens.tokenizer_fingerprint(bytes(field.parts[idx]) for idx in field.data)
 
 
 def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -20,9 +20,9 @@ from edgespec.common.tree import TokenTree  # noqa: E402
 from edgespec.runtime.llama import ContextConfig, TreeContext  # noqa: E402
 from edgespec.verifier.torch.backend import TorchBackend  # noqa: E402
 from edgespec.verifier.torch.block_pool import NULL_BLOCK, BlockPool, OutOfBlocksError  # noqa: E402
-from edgespec.verifier.torch.engine import Engine  # noqa: E402
+from edgespec.verifier.torch.engine import Engine, TreeStep  # noqa: E402
 from edgespec.verifier.torch.kv_cache import PagedKVCache  # noqa: E402
-from edgespec.verifier.torch.model import Decoder  # noqa: E402
+from edgespec.verifier.torch import gguf_weights  # noqa: E402
 from edgespec.verifier.torch.tree_attention import ancestor_mask, chain_parents  # noqa: E402
 from lossless import greedy_reference  # noqa: E402
 
@@ -62,9 +62,9 @@ def llama_vs_torch(llama_model, engine, tokens):
     ref, _ = ctx.decode_tree(tokens, chain_parents(len(tokens)))
     ctx.close()
     seq = engine.new_sequence()
-    out = engine.decode([seq], [(tokens, chain_parents(len(tokens)))])
+    out = engine.logits(seq, tokens, chain_parents(len(tokens)))
     seq.close()
-    return ref, out.logits[0].float().numpy()
+    return ref, out.numpy()
 
 
 def assert_port_agrees(ref, got, *, mean_abs, max_kl, tie):
@@ -107,7 +107,7 @@ def test_port_agrees_with_llama_cpp_qwen2_target(qwen_paths, qwen_models):
     ever uses the prediction made at the first prompt token. Observed on the other 36 positions:
     argmax equal everywhere, mean |diff| 0.05-0.33 per position. Loading takes ~30-80 s (numpy
     dequantization of 1.5 B weights) and ~6.2 GB of float32."""
-    model = Decoder.from_gguf(qwen_paths[1], max_positions=256)
+    model = gguf_weights.load_model(qwen_paths[1], max_positions=256)
     engine = Engine(model, num_blocks=2, block_size=16)
     target = qwen_models[1]
     tokens = chat(target, "Write a Python function is_prime(n).")
@@ -148,9 +148,8 @@ def chain_logits(engine, prefix, tokens):
     engine.prefill(seq, prefix)
     rows = []
     for t in tokens:
-        out = engine.decode([seq], [([t], [-1])])
-        rows.append(out.logits[0, 0].clone())
-        engine.commit(seq, out, 0, [0])
+        rows.append(engine.logits(seq, [t], [-1])[0].clone())
+        engine.prefill(seq, [t])
     seq.close()
     return rows
 
@@ -167,7 +166,7 @@ def test_tree_logits_equal_chain_logits(backend, smol_model):
     tokens = tree_tokens(prompt)
     seq = engine.new_sequence()
     engine.prefill(seq, prompt[:-1])
-    logits = engine.decode([seq], [(tokens, TREE_PARENTS)]).logits[0]
+    logits = engine.logits(seq, tokens, TREE_PARENTS)
     seq.close()
     worst = 0.0
     for path in paths(TREE_PARENTS):
@@ -179,20 +178,23 @@ def test_tree_logits_equal_chain_logits(backend, smol_model):
 
 
 def test_batched_trees_equal_single_trees(backend, smol_model):
-    """Two sessions with different context lengths and tree sizes in one forward (padding, null blocks)."""
+    """Two sessions with different context lengths and tree sizes in one forward (padding, null
+    blocks): the same decisions and margins as each alone."""
     engine = backend.engine
     a_prompt, b_prompt = chat(smol_model, "Name three colours."), chat(smol_model, PROMPTS[0] + " Explain it too.")
     a_tree, b_tree = (tree_tokens(a_prompt, 1), TREE_PARENTS), (tree_tokens(b_prompt, 2)[:5], TREE_PARENTS[:5])
-    a, b = engine.new_sequence(), engine.new_sequence()
-    engine.prefill(a, a_prompt[:-1])
-    engine.prefill(b, b_prompt[:-1])
-    assert len(a) != len(b)
-    both = engine.decode([a, b], [a_tree, b_tree]).logits
-    alone_a = engine.decode([a], [a_tree]).logits[0]
-    alone_b = engine.decode([b], [b_tree]).logits[0]
-    a.close(), b.close()
-    assert float((both[0] - alone_a).abs().max()) <= 1e-4
-    assert float((both[1, :5] - alone_b).abs().max()) <= 1e-4
+    decisions = []
+    for together in (True, False):
+        a, b = engine.new_sequence(), engine.new_sequence()
+        engine.prefill(a, a_prompt[:-1])
+        engine.prefill(b, b_prompt[:-1])
+        assert len(a) != len(b)
+        steps = [TreeStep(a, *a_tree), TreeStep(b, *b_tree)]
+        decisions.append(engine.verify(steps) if together else [engine.verify([s])[0] for s in steps])
+        a.close(), b.close()
+    for x, y in zip(*decisions):
+        assert (x.path, x.next_token) == (y.path, y.next_token)
+        assert np.allclose(x.margins, y.margins, atol=1e-4)
     assert_no_leaks(backend)
 
 

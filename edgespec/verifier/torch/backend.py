@@ -35,7 +35,7 @@ from edgespec.verifier.backends import (
     model_identity,
 )
 from edgespec.verifier.torch import gguf_weights
-from edgespec.verifier.torch.engine import Engine
+from edgespec.verifier.torch.engine import Decision, Engine, TreeStep, decided_on_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,17 +74,24 @@ class TorchSession(BackendSession):
         self.committed = list(tokens)
 
     def verify(self, tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult:
+        [result] = self.backend.verify_many([(self, tree, sampling, step)])
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _tree_step(self, tree: TokenTree, sampling: SamplingParams, step: int) -> TreeStep:
         b = self.backend
         check_tree(tree, self.committed, b.info.vocab_size, b.info.max_nodes, b.info.max_depth, sampling)
-        started = time.perf_counter()
-        out = self.engine.decode([self.seq], [(tree.tokens.tolist(), tree.parents.tolist())])
-        logits = out.logits[0, :len(tree)]
-        argmax = logits.argmax(dim=-1).cpu().numpy()
-        acc, margins = accept_logits(tree, sampling, step, argmax, lambda n: logits[n].float().cpu().numpy())
-        self.engine.commit(self.seq, out, 0, [0, *acc.path])
-        committed = [*tree.tokens[acc.path].tolist(), acc.next_token]
+        host_rule = None
+        if not decided_on_device(sampling):  # the rejection rule needs q: decided from logits rows on the host
+            def host_rule(argmax, row):  # noqa: ANN001, ANN202
+                return accept_logits(tree, sampling, step, argmax, row)[0]
+        return TreeStep(self.seq, tree.tokens.tolist(), tree.parents.tolist(), sampling, step, host_rule)
+
+    def _commit(self, tree: TokenTree, decision: Decision, compute_s: float) -> VerifyResult:
+        committed = [*tree.tokens[decision.path].tolist(), decision.next_token]
         self.committed.extend(committed)
-        return VerifyResult(path=acc.path, tokens=committed, margins=margins, compute_s=time.perf_counter() - started)
+        return VerifyResult(path=decision.path, tokens=committed, margins=decision.margins, compute_s=compute_s)
 
     @property
     def committed_tokens(self) -> list[int]:
@@ -96,12 +103,12 @@ class TorchSession(BackendSession):
 
 
 class TorchBackend(Backend):
-    """One Decoder and one paged KV cache, sized for `max_sessions` full contexts, shared by all sessions."""
+    """One TransformerLM and one paged KV cache, sized for `max_sessions` full contexts, shared by all sessions."""
 
     def __init__(self, model_path: str | os.PathLike, *, device: str = "cpu", dtype: str | None = None,
                  n_ctx: int = 4096, max_nodes: int = 128, max_depth: int = 32, max_k: int = 64,
                  max_sessions: int = 4, block_size: int = 16, threads: int | None = None,
-                 model_id: str | None = None) -> None:
+                 model_id: str | None = None, cuda_graphs: bool | None = None, attention: str = "auto") -> None:
         if not 2 <= max_nodes <= MAX_TREE_NODES:
             raise ValueError(f"max_nodes must be in [2, {MAX_TREE_NODES}], got {max_nodes}")
         if n_ctx < max_depth + 2:
@@ -115,10 +122,15 @@ class TorchBackend(Backend):
             torch.set_num_threads(threads)
         reader = gguf_weights.open_gguf(model_path)
         fingerprint = gguf_weights.tokenizer_fingerprint(reader)
-        self.model = gguf_weights.load_decoder(reader, dtype=DTYPES[dtype], device=device, max_positions=n_ctx)
+        self.model = gguf_weights.load_model(reader, dtype=DTYPES[dtype], device=device, max_positions=n_ctx)
         del reader
         blocks_per_session = -(-n_ctx // block_size)
-        self.engine = Engine(self.model, num_blocks=max_sessions * blocks_per_session + 1, block_size=block_size)
+        # Each session may hold n_ctx positions plus a tree of max_nodes in reserved slots; one spare
+        # block per session lets a truncate copy a shared tail block (kv_cache.KVSequence.truncate);
+        # block 0 is the null block.
+        step_blocks = -(-(n_ctx + max_nodes) // block_size) + 1
+        self.engine = Engine(self.model, num_blocks=max_sessions * (step_blocks + 1) + 1, block_size=block_size,
+                             cuda_graphs=cuda_graphs, attention=attention)
         self._sessions: set[TorchSession] = set()
         c = self.model.config
         mid, aliases = model_identity(model_path)
@@ -128,10 +140,40 @@ class TorchBackend(Backend):
             max_depth=max_depth, max_k=max_k, backend=f"torch-{torch.device(device).type}-{dtype}",
             kv_bytes_per_session=blocks_per_session * self.engine.cache.bytes_per_block,
             extra={"path": str(model_path), "arch": c.arch, "block_size": block_size,
-                   "num_blocks": self.engine.cache.pool.num_blocks})
+                   "num_blocks": self.engine.cache.pool.num_blocks, "attention": self.engine.attention,
+                   "cuda_graphs": self.engine.cuda_graphs})
 
     def open_session(self) -> TorchSession:
         return TorchSession(self)
+
+    def verify_many(self, requests: list[tuple[TorchSession, TokenTree, SamplingParams, int]]
+                    ) -> list[VerifyResult | BaseException]:
+        """Verify several sessions' trees in one forward (the service's batching worker calls this).
+
+        A request that fails its checks gets its exception back and the others still run; if the
+        forward itself fails, every request in it gets that exception (their sessions are then in
+        doubt, as after any failed verify)."""
+        results: list[VerifyResult | BaseException | None] = [None] * len(requests)
+        steps, index = [], []
+        for i, (session, tree, sampling, step) in enumerate(requests):
+            try:
+                steps.append(session._tree_step(tree, sampling, step))
+                index.append(i)
+            except Exception as exc:  # noqa: BLE001 - that request alone fails
+                results[i] = exc
+        if steps:
+            started = time.perf_counter()
+            try:
+                decisions = self.engine.verify(steps)
+            except Exception as exc:  # noqa: BLE001
+                for i in index:
+                    results[i] = exc
+                return results  # type: ignore[return-value]
+            elapsed = time.perf_counter() - started
+            for i, decision in zip(index, decisions):
+                session, tree, _, _ = requests[i]
+                results[i] = session._commit(tree, decision, elapsed)
+        return results  # type: ignore[return-value]
 
     def close(self) -> None:
         for s in list(self._sessions):

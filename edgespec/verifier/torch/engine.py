@@ -1,98 +1,446 @@
-"""Run a `Decoder` over a `PagedKVCache`: prefill, (batched) tree decoding, commit of accepted rows.
+"""The verify engine: a `TransformerLM` over a `PagedKVCache`, one verify step of several sessions'
+trees per forward, with acceptance decided on the device and the step replayed as a CUDA graph.
 
     engine = Engine(model, num_blocks=..., block_size=16)
     seq = engine.new_sequence()
-    engine.prefill(seq, prompt[:-1])                          # K/V of committed tokens, no logits
-    out = engine.decode([seq], [(tree.tokens, tree.parents)])  # logits [B, T, vocab], K/V in scratch
-    engine.commit(seq, out, 0, [0, 3, 7])                     # keep the rows of root + accepted path
+    engine.prefill(seq, prompt[:-1])                       # K/V of committed tokens (eager, chunked)
+    [d] = engine.verify([TreeStep(seq, tokens, parents, sampling, step)])
+    d.path, d.next_token, d.margins                         # seq now holds the root + accepted path
 
-A decode step attends over each sequence's cached context (gathered from its blocks) plus the
-step's own tokens under the tree mask (tree_attention.py). The step's K/V stay in the scratch tensor
-`out.kv` until `commit` copies the accepted rows into the sequence's blocks, so a rejected branch
-never touches the cache and nothing has to be removed afterwards. Several sequences' trees go
-through one forward: trees are padded to the largest, block tables with the null block.
+One step, for B sequences with trees of up to T nodes (both rounded up to a bucket: powers of two):
+1. host: reserve blocks for each tree (slots ctx_len + i), pack tokens, positions, slots, parents,
+   depths, ancestor masks, block tables (and sampling parameters and uniforms) into ONE int64 and
+   ONE float64 buffer, copied to the device in two transfers;
+2. device (one CUDA graph per (B, T, context blocks, mode) bucket, captured on first use): forward
+   (each layer writes its K/V into the tree slots, then attends over the paged cache: see
+   tree_attention.py and triton_attention.py), float32 logits, each node's choice (greedy argmax,
+   or the target-sample rule's inverse CDF of p at the host's uniform), the accepted path (a node is
+   accepted iff every node on its root path matches its parent's choice), the next token, top-2
+   margins, and the compaction: the accepted nodes' K/V rows move to slots ctx_len + depth;
+3. host: one small copy back ([B, 2 + 2T] floats: next token, path length, path, margins), the
+   sequences' lengths advance and unneeded reserved blocks go back to the pool.
+Only the accepted tokens and margins cross to the host; the logits stay on the device, except for
+steps under the rejection rule (q on the wire), which are decided on the host from the logits rows
+with common/acceptance.py and compacted by a separate eager call.
+
+On the CPU (CI) the same step function runs eagerly with the same padded shapes, so the tests
+exercise everything but the graph capture and the Triton kernel.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
+from edgespec.common import acceptance
 from edgespec.common.errors import ContextOverflowError
-from edgespec.verifier.torch.kv_cache import PagedKVCache, Sequence
-from edgespec.verifier.torch.model import Decoder
-from edgespec.verifier.torch.tree_attention import chain_parents, depths, step_mask
+from edgespec.common.rng import Purpose, generator
+from edgespec.common.sampling import SamplingParams
+from edgespec.verifier.torch.kv_cache import KVSequence, PagedKVCache
+from edgespec.verifier.torch.model import TransformerLM
+from edgespec.verifier.torch.tree_attention import TorchPagedAttention, ancestor_mask, chain_parents, depths
+
+GREEDY, SAMPLE, SAMPLE_TRUNCATED = 0, 1, 2   # device decision modes (graph variants)
+TARGET_SAMPLE = "target-sample"   # common.sampling.AcceptanceRule.TARGET_SAMPLE's value
+
+
+def bucket(n: int) -> int:
+    """The power of two >= n (shapes are padded to these, so few graphs cover all steps)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def rule_of(sampling: SamplingParams) -> str:
+    rule = getattr(sampling, "rule", TARGET_SAMPLE)
+    return str(getattr(rule, "value", rule))
+
+
+def uniform(seed: int, step: int, node: int) -> float:
+    """The target-sample rule's one uniform at (step, node): common/acceptance.py's, bit for bit."""
+    return float(generator(seed, step, node, Purpose.RESIDUAL).random())
+
+
+def decided_on_device(sampling: SamplingParams) -> bool:
+    """Greedy and the target-sample rule are decided on the device; the rejection rule (which needs
+    the draft's q) on the host."""
+    return sampling.greedy or rule_of(sampling) == TARGET_SAMPLE
 
 
 @dataclass
-class StepOutput:
-    logits: torch.Tensor | None   # [B, T, vocab] (model dtype), None for prefill
-    kv: torch.Tensor              # [n_layer, 2, B, T, Hkv, D]: the step's K/V (scratch)
-    sizes: list[int]              # real tree size per sequence (T is the largest)
+class TreeStep:
+    """One sequence's tree in a verify step. parents[0] = -1; parents precede children."""
+
+    seq: KVSequence
+    tokens: Sequence[int]
+    parents: Sequence[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    step: int = 0
+    host_rule: Callable[[np.ndarray, Callable[[int], np.ndarray]], acceptance.Acceptance] | None = None
+    """Decide on the host instead (the rejection rule): (argmax per node, float32 logits row of a
+    node) -> Acceptance; the engine then compacts the chosen path."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    path: list[int]          # accepted drafted nodes (root excluded)
+    next_token: int
+    margins: list[float]     # top-2 logit margin at the root and each accepted node
 
 
 @dataclass
-class StepInputs:
-    """Everything one forward needs, on the model's device."""
+class _Static:
+    """A bucket's device buffers (and its graph once captured)."""
 
-    tokens: torch.Tensor      # [B, T] int64
-    positions: torch.Tensor   # [B, T] int64 (context length + depth)
-    mask: torch.Tensor        # [B, 1, T, nb*block_size + T] bool
-    tables: torch.Tensor      # [B, nb] int64 block ids
+    ints: torch.Tensor
+    floats: torch.Tensor
+    host_ints: torch.Tensor
+    host_floats: torch.Tensor
+    out: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    graph: object | None = None
+    runs: int = 0
+
+
+def layout(B: int, T: int, NB: int) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Offsets and shapes of each input inside the packed int64 buffer."""
+    fields = [("tokens", (B, T)), ("positions", (B, T)), ("slots", (B, T)), ("parents", (B, T)),
+              ("depth", (B, T)), ("valid", (B, T)), ("anc", (B, T, T)), ("tables", (B, NB)), ("ctx", (B,)),
+              ("compact", (B,)), ("greedy", (B,)), ("top_k", (B,))]
+    out, off = {}, 0
+    for name, shape in fields:
+        out[name] = (off, shape)
+        off += int(np.prod(shape))
+    out["_size"] = (off, ())
+    return out
+
+
+def float_layout(B: int, T: int) -> dict[str, tuple[int, tuple[int, ...]]]:
+    fields = [("u", (B, T)), ("temperature", (B,)), ("top_p", (B,))]
+    out, off = {}, 0
+    for name, shape in fields:
+        out[name] = (off, shape)
+        off += int(np.prod(shape))
+    out["_size"] = (off, ())
+    return out
+
+
+def _views(buf: torch.Tensor, lay: dict) -> dict[str, torch.Tensor]:
+    return {k: buf[o:o + int(np.prod(s))].view(s) for k, (o, s) in lay.items() if not k.startswith("_")}
+
+
+def sample_choice(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  u: torch.Tensor, truncate: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The target-sample rule per node (common.sampling.sample_inverse_cdf on the device): the smallest
+    token id t with cumsum(p)[t] > u * sum(p), where p is common.sampling.probabilities
+    (temperature, top-k, top-p) computed here.
+
+    logits [B, T, V]; temperature, top_k, top_p [B]; u [B, T] uniforms in [0, 1). Returns [B, T]."""
+    B, T, V = logits.shape
+    z = logits.to(dtype) / temperature.to(dtype).clamp(min=1e-8)[:, None, None]
+    if truncate:
+        zs, order = z.sort(dim=-1, descending=True, stable=True)
+        k = torch.where((top_k > 0) & (top_k < V), top_k, V)
+        kth = zs.gather(-1, (k - 1)[:, None, None].expand(B, T, 1))
+        z = torch.where(z >= kth, z, float("-inf"))
+        p = torch.softmax(z, dim=-1)
+        cum = p.gather(-1, order).cumsum(-1)                                # p in descending order
+        keep_n = (cum < top_p.to(dtype)[:, None, None]).sum(-1, keepdim=True) + 1
+        keep_n = torch.where((top_p < 1.0)[:, None, None], keep_n, V)
+        ranks = torch.arange(V, device=z.device).expand(B, T, V)
+        keep = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, order, ranks < keep_n)
+        p = torch.where(keep, p, 0.0)
+    else:
+        p = torch.softmax(z, dim=-1)
+    cum = p.cumsum(-1)
+    target = (u.to(dtype) * cum[..., -1]).unsqueeze(-1)                    # u times the total mass
+    token = torch.searchsorted(cum, target, right=True).squeeze(-1)
+    last_nonzero = V - 1 - (p > 0).flip(-1).to(torch.int8).argmax(-1)      # as sample_inverse_cdf clamps
+    return torch.minimum(token, last_nonzero)
 
 
 class Engine:
-    def __init__(self, model: Decoder, *, num_blocks: int, block_size: int = 16, prefill_chunk: int = 256) -> None:
+    def __init__(self, model: TransformerLM, *, num_blocks: int, block_size: int = 16, prefill_chunk: int = 256,
+                 cuda_graphs: bool | None = None, attention: str = "auto") -> None:
+        """attention: "torch" (gather + SDPA, runs anywhere), "triton" (the paged tree-attention
+        kernel, CUDA only) or "auto" (triton on CUDA when it imports, else torch).
+        cuda_graphs: capture each step bucket as a CUDA graph (default: on CUDA)."""
         c = model.config
         self.model = model
         self.cache = PagedKVCache(c.n_layer, c.n_head_kv, c.head_dim, num_blocks=num_blocks,
                                   block_size=block_size, dtype=model.dtype, device=model.device)
         self.prefill_chunk = prefill_chunk
+        self.device = model.device
+        is_cuda = self.device.type == "cuda"
+        self.cuda_graphs = is_cuda if cuda_graphs is None else (cuda_graphs and is_cuda)
+        self.attention_cls = self._attention(attention, is_cuda)
+        self.attention = attention if attention != "auto" else (
+            "torch" if self.attention_cls is TorchPagedAttention else "triton")
+        self.sample_dtype = torch.float64 if not is_cuda else torch.float32
+        self._static: dict[tuple, _Static] = {}
+        self._pool = None
+        self.stats = {"steps": 0, "captures": 0, "replays": 0, "host_decided": 0}
 
-    def new_sequence(self) -> Sequence:
+    @staticmethod
+    def _attention(name: str, is_cuda: bool) -> type:
+        if name == "torch" or (name == "auto" and not is_cuda):
+            return TorchPagedAttention
+        try:
+            from edgespec.verifier.torch.triton_attention import TritonPagedAttention
+        except ImportError:
+            if name == "triton":
+                raise
+            return TorchPagedAttention
+        return TritonPagedAttention
+
+    def new_sequence(self) -> KVSequence:
         return self.cache.new_sequence()
 
-    def inputs(self, seqs: Seq[Sequence], trees: Seq[tuple[Seq[int], Seq[int]]]) -> StepInputs:
-        """Pad the trees (tokens, parents) of `seqs` into one batch; positions continue each context."""
-        if len(seqs) != len(trees) or not seqs:
-            raise ValueError("one tree per sequence, at least one")
-        T = max(len(tokens) for tokens, _ in trees)
-        tokens = np.zeros((len(seqs), T), np.int64)
-        positions = np.zeros((len(seqs), T), np.int64)
-        for b, (seq, (toks, parents)) in enumerate(zip(seqs, trees)):
-            tokens[b, :len(toks)] = toks
-            positions[b, :len(toks)] = seq.length + depths(parents)
-        if positions.max() >= self.model.rope.max_positions:
-            raise ContextOverflowError(f"position {positions.max()} is beyond the model's "
-                                       f"{self.model.rope.max_positions} positions (n_ctx)")
-        tables = self.cache.block_tables(seqs)
-        mask = step_mask([p for _, p in trees], [s.length for s in seqs], tables.shape[1] * self.cache.block_size)
-        dev = self.cache.device
-        return StepInputs(torch.from_numpy(tokens).to(dev), torch.from_numpy(positions).to(dev),
-                          torch.from_numpy(mask).to(dev), tables)
-
-    def forward(self, x: StepInputs, logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The model over prepared inputs (a separate step so benchmarks can time or graph it alone)."""
-        gather = None if x.tables.shape[1] == 0 else (lambda layer: self.cache.gather(layer, x.tables))
-        return self.model(x.tokens, x.positions, x.mask, gather, logits=logits)
-
+    # -- prefill (eager, chunked) -------------------------------------------------------------
     @torch.no_grad()
-    def decode(self, seqs: Seq[Sequence], trees: Seq[tuple[Seq[int], Seq[int]]], logits: bool = True) -> StepOutput:
-        out, kv = self.forward(self.inputs(seqs, trees), logits=logits)
-        return StepOutput(out, kv, [len(t) for t, _ in trees])
-
-    @torch.no_grad()
-    def commit(self, seq: Sequence, out: StepOutput, b: int, rows: Seq[int]) -> None:
-        """Append the K/V of step rows `rows` (a root-to-node path, in order) of batch entry b."""
-        index = torch.as_tensor(list(rows), dtype=torch.int64, device=out.kv.device)
-        seq.append(out.kv[:, :, b].index_select(2, index))
-
-    @torch.no_grad()
-    def prefill(self, seq: Sequence, tokens: Seq[int]) -> None:
+    def prefill(self, seq: KVSequence, tokens: Sequence[int]) -> None:
         """Append the K/V of `tokens` (committed context) in chunks; no logits are computed."""
         for start in range(0, len(tokens), self.prefill_chunk):
             chunk = list(tokens[start:start + self.prefill_chunk])
-            out = self.decode([seq], [(chunk, chain_parents(len(chunk)))], logits=False)
-            seq.append(out.kv[:, :, 0])
+            self._forward_eager(seq, chunk, chain_parents(len(chunk)), logits=False)
+            seq.length += len(chunk)
+
+    @torch.no_grad()
+    def logits(self, seq: KVSequence, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """Float32 logits [T, vocab] of one tree after seq's context; the cache keeps its length
+        (the tree's slots past it are scratch). For tests and tools."""
+        out = self._forward_eager(seq, list(tokens), list(parents), logits=True)
+        seq.trim()
+        return out[0]
+
+    def _forward_eager(self, seq: KVSequence, tokens: list[int], parents: list[int], logits: bool) -> torch.Tensor | None:
+        n, L = len(tokens), seq.length
+        d = depths(parents)
+        self._check_positions(L + int(d.max()) + 1)
+        seq.reserve(L + n)
+        dev = self.device
+        bs = self.cache.block_size
+        table = torch.tensor([seq.blocks], dtype=torch.int64)
+        pos = L + np.arange(n)
+        slots = table[0, pos // bs] * bs + torch.from_numpy(pos % bs)
+        attend = self.attention_cls(table.to(dev), torch.tensor([L], device=dev),
+                                    torch.from_numpy(ancestor_mask(parents))[None].to(dev), bs, self.model.config.group)
+        tok = torch.tensor([tokens], dtype=torch.int64, device=dev)
+        positions = torch.from_numpy(L + d)[None].to(dev)
+        return self.model(tok, positions, slots.to(dev), self.cache.flat, attend, logits=logits)
+
+    def _check_positions(self, n: int) -> None:
+        """n = the highest RoPE position a step uses, plus one."""
+        if n > self.model.rope.max_positions:
+            raise ContextOverflowError(f"position {n - 1} is beyond the model's {self.model.rope.max_positions} "
+                                       "positions (n_ctx)")
+
+    # -- verify -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def verify(self, steps: Sequence[TreeStep]) -> list[Decision]:
+        """Verify one tree per sequence in one forward; commit root + accepted path in each."""
+        if not steps:
+            return []
+        if len({id(s.seq) for s in steps}) != len(steps):
+            raise ValueError("one tree per sequence in a step")
+        if any(s.host_rule is None and not decided_on_device(s.sampling) for s in steps):
+            raise ValueError("a step under a host-decided rule needs its host_rule")
+        bs = self.cache.block_size
+        T_real = max(len(s.tokens) for s in steps)
+        for s in steps:
+            self._check_positions(s.seq.length + int(depths(s.parents).max()) + 1)
+        reserved = []
+        try:
+            for s in steps:
+                s.seq.reserve(s.seq.length + len(s.tokens))
+                reserved.append(s.seq)
+        except BaseException:
+            for seq in reserved:
+                seq.trim()
+            raise
+        B, T = bucket(len(steps)), bucket(T_real)
+        NB = bucket(max(len(s.seq.blocks) for s in steps))
+        sampled = [s for s in steps if s.host_rule is None and not s.sampling.greedy]
+        if not sampled:
+            mode = GREEDY
+        elif any(s.sampling.top_k > 0 or s.sampling.top_p < 1.0 for s in sampled):
+            mode = SAMPLE_TRUNCATED
+        else:
+            mode = SAMPLE
+        st = self._buffers(B, T, NB)
+        self._pack(st, steps, B, T, NB, bs)
+        out = self._run(st, (B, T, NB, mode), mode).cpu()
+        self.stats["steps"] += 1
+        decisions = []
+        for b, s in enumerate(steps):
+            if s.host_rule is not None:
+                decisions.append(self._decide_on_host(st, b, s, T, NB))
+                continue
+            k = int(out[b, 1])
+            path = [int(x) for x in out[b, 2:3 + k]]
+            margins = [float(x) for x in out[b, 2 + T:3 + T + k]]
+            decisions.append(Decision(path[1:], int(out[b, 0]), margins))
+        for s, d in zip(steps, decisions):
+            s.seq.length += 1 + len(d.path)
+            s.seq.trim()
+        return decisions
+
+    def _buffers(self, B: int, T: int, NB: int) -> _Static:
+        key = (B, T, NB)
+        st = self._static.get(key)
+        if st is None:
+            n_int, n_float = layout(B, T, NB)["_size"][0], float_layout(B, T)["_size"][0]
+            pin = self.device.type == "cuda"
+            st = _Static(ints=torch.zeros(n_int, dtype=torch.int64, device=self.device),
+                         floats=torch.zeros(n_float, dtype=torch.float64, device=self.device),
+                         host_ints=torch.zeros(n_int, dtype=torch.int64, pin_memory=pin),
+                         host_floats=torch.zeros(n_float, dtype=torch.float64, pin_memory=pin))
+            self._static[key] = st
+        return st
+
+    def _pack(self, st: _Static, steps: Sequence[TreeStep], B: int, T: int, NB: int, bs: int) -> None:
+        """Fill the host staging buffers for this step (padding rows: valid 0, null blocks)."""
+        iv = _views(st.host_ints, layout(B, T, NB))
+        fv = _views(st.host_floats, float_layout(B, T))
+        a = {k: v.numpy() for k, v in iv.items()}
+        f = {k: v.numpy() for k, v in fv.items()}
+        for v in a.values():
+            v.fill(0)
+        f["u"].fill(0.0)
+        f["temperature"].fill(1.0)
+        f["top_p"].fill(1.0)
+        eye = np.eye(T, dtype=np.int64)
+        a["anc"][:] = eye
+        for b, s in enumerate(steps):
+            n, L = len(s.tokens), s.seq.length
+            parents = np.asarray(s.parents, dtype=np.int64)
+            d = depths(parents)
+            a["tokens"][b, :n] = s.tokens
+            a["depth"][b, :n] = d
+            a["positions"][b, :n] = L + d
+            a["positions"][b, n:] = L
+            a["parents"][b, 1:n] = parents[1:]
+            a["valid"][b, :n] = 1
+            a["anc"][b, :n, :n] = ancestor_mask(parents)
+            a["tables"][b, :len(s.seq.blocks)] = s.seq.blocks
+            a["ctx"][b] = L
+            decided_here = s.host_rule is None
+            a["compact"][b] = int(decided_here)
+            a["greedy"][b] = int(s.sampling.greedy or not decided_here)
+            a["top_k"][b] = s.sampling.top_k
+            if decided_here and not s.sampling.greedy:
+                f["temperature"][b] = s.sampling.temperature
+                f["top_p"][b] = s.sampling.top_p
+                f["u"][b, :n] = [uniform(s.sampling.seed, s.step, i) for i in range(n)]
+        # write slots: position ctx + i through the block table (past the table: the null block)
+        pos = a["ctx"][:, None] + np.arange(T)[None, :]
+        blk = pos // bs
+        in_table = blk < NB
+        a["slots"][:] = np.where(in_table, np.take_along_axis(a["tables"], np.minimum(blk, NB - 1), 1), 0) * bs + pos % bs
+        st.ints.copy_(st.host_ints, non_blocking=True)
+        st.floats.copy_(st.host_floats, non_blocking=True)
+
+    def _run(self, st: _Static, key: tuple, mode: int) -> torch.Tensor:
+        """The step function, eager or as a CUDA graph captured on the bucket's first use."""
+        B, T, NB, _ = key
+        gkey = ("graph", mode)
+        if not self.cuda_graphs:
+            st.out, st.logits = self._step(st, B, T, NB, mode)
+            return st.out
+        graphs = st.graph if isinstance(st.graph, dict) else {}
+        st.graph = graphs
+        entry = graphs.get(gkey)
+        if entry is None:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up before capture; the step is idempotent (see _step)
+                    self._step(st, B, T, NB, mode)
+            torch.cuda.current_stream().wait_stream(stream)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out, logits = self._step(st, B, T, NB, mode)
+            entry = graphs[gkey] = (graph, out, logits)
+            self.stats["captures"] += 1
+        graph, out, logits = entry
+        graph.replay()
+        self.stats["replays"] += 1
+        st.out, st.logits = out, logits
+        return out
+
+    def _step(self, st: _Static, B: int, T: int, NB: int, mode: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, decisions and compaction for one bucket, on the static buffers; no host sync.
+
+        Idempotent for the same inputs: every tree slot is rewritten by the forward before the
+        compaction reads it, so warm-up runs before a capture leave the cache as one run does."""
+        iv = _views(st.ints, layout(B, T, NB))
+        fv = _views(st.floats, float_layout(B, T))
+        bs = self.cache.block_size
+        anc = iv["anc"].bool()
+        attend = self.attention_cls(iv["tables"], iv["ctx"], anc, bs, self.model.config.group)
+        logits = self.model(iv["tokens"], iv["positions"], iv["slots"].flatten(), self.cache.flat, attend)
+        tokens, parents, depth = iv["tokens"], iv["parents"], iv["depth"]
+        valid = iv["valid"].bool()
+        argmax = logits.argmax(-1)
+        top2 = logits.topk(2, dim=-1).values
+        margin = top2[..., 0] - top2[..., 1]
+        if mode == GREEDY:
+            choice = argmax
+        else:
+            sampled = sample_choice(logits, fv["temperature"], iv["top_k"], fv["top_p"], fv["u"],
+                                    mode == SAMPLE_TRUNCATED, self.sample_dtype)
+            choice = torch.where(iv["greedy"].bool()[:, None], argmax, sampled)
+        node = torch.arange(T, device=logits.device)
+        match = (tokens == choice.gather(1, parents)) & valid
+        match = match | (node == 0)[None, :]
+        accepted = ~(anc & ~match[:, None, :]).any(-1) & valid                 # every ancestor matches
+        last = torch.where(accepted, depth, -1).argmax(1, keepdim=True)         # the deepest accepted node
+        k = depth.gather(1, last)
+        next_token = choice.gather(1, last)
+        where = torch.where(accepted, depth, T)
+        path = torch.zeros(B, T + 1, dtype=torch.int64, device=logits.device)
+        path.scatter_(1, where, node.expand(B, T).contiguous())
+        path = path[:, :T]                                                     # path[b, d]: node at depth d
+        self._compact(iv["tables"], iv["ctx"], path, k, iv["compact"].bool(), T, NB)
+        out = torch.cat((next_token, k, path, margin.gather(1, path)), dim=1).float()
+        return out, logits
+
+    def _compact(self, tables: torch.Tensor, ctx: torch.Tensor, path: torch.Tensor, k: torch.Tensor,
+                 enabled: torch.Tensor, T: int, NB: int) -> None:
+        """Move the K/V of path[d] (slot ctx + path[d]) to slot ctx + d for d <= k (rows with
+        `enabled`); every other row copies onto itself. Reads all sources before writing."""
+        bs = self.cache.block_size
+        d = torch.arange(T, device=path.device)[None, :]
+        use = (d <= k) & enabled[:, None]
+        src = ctx[:, None] + torch.where(use, path, d)
+        dst = ctx[:, None] + d
+
+        def slot(pos: torch.Tensor) -> torch.Tensor:
+            blk = pos // bs
+            b = tables.gather(1, blk.clamp(max=NB - 1))
+            return (torch.where(blk < NB, b, 0) * bs + pos % bs).flatten()
+
+        flat = self.cache.flat
+        rows = flat.index_select(2, slot(src))
+        flat.index_copy_(2, slot(dst), rows)
+
+    def _decide_on_host(self, st: _Static, b: int, s: TreeStep, T: int, NB: int) -> Decision:
+        """A tree under a host rule: read its logits rows, decide with common/acceptance.py, compact."""
+        self.stats["host_decided"] += 1
+        n = len(s.tokens)
+        logits = st.logits[b, :n].cpu().numpy()
+        argmax = logits.argmax(-1)
+        acc = s.host_rule(argmax, lambda i: logits[i])
+        nodes = [0, *acc.path]
+        path = torch.zeros(1, T, dtype=torch.int64, device=self.device)
+        path[0, :len(nodes)] = torch.tensor(nodes)
+        tables = torch.zeros(1, NB, dtype=torch.int64)
+        tables[0, :len(s.seq.blocks)] = torch.tensor(s.seq.blocks)
+        self._compact(tables.to(self.device), torch.tensor([s.seq.length], device=self.device), path,
+                      torch.tensor([[len(acc.path)]], device=self.device), torch.ones(1, dtype=torch.bool,
+                                                                                     device=self.device), T, NB)
+        top2 = np.sort(logits[nodes], axis=1)[:, -2:]
+        return Decision(list(acc.path), int(acc.next_token), [float(x) for x in top2[:, 1] - top2[:, 0]])
+

@@ -1,4 +1,4 @@
-"""Read a llama/qwen2 GGUF file into a `Decoder`: configuration, dequantized weights, tokenizer hash.
+"""Read a llama/qwen2 GGUF file into a `TransformerLM`: configuration, dequantized weights, tokenizer hash.
 
 Everything comes from the file through the `gguf` package (no llama.cpp): hyper-parameters from the
 `{arch}.*` metadata, tensors dequantized with `gguf.quants.dequantize` (numpy, float32) one at a
@@ -23,7 +23,7 @@ import torch
 
 from edgespec.common import tokens
 from edgespec.common.errors import ModelError
-from edgespec.verifier.torch.model import ARCHITECTURES, Decoder, ModelConfig
+from edgespec.verifier.torch.model import ARCHITECTURES, TransformerLM, ModelConfig
 
 
 def open_gguf(path: str | Path):
@@ -93,8 +93,8 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 ROWS_PER_CHUNK = 8192  # dequantize big matrices this many rows at a time (bounds temporaries)
 
 
-def load_decoder(source, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 max_positions: int = 4096) -> Decoder:
+def load_model(source, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 max_positions: int = 4096) -> TransformerLM:
     """source: a GGUF path or an `open_gguf` reader."""
     from gguf.quants import dequantize
 
@@ -121,7 +121,7 @@ def load_decoder(source, *, dtype: torch.dtype = torch.float32, device: str | to
                 raise ModelError(f"{name}: {tensor} has rows of shape {a.shape[1:]}, expected {tuple(dest.shape[1:])}")
             dest[r:r + a.shape[0]].copy_(torch.from_numpy(a if a.flags.writeable else a.copy()))
 
-    model = Decoder.empty(config, dtype=dtype, device=device, max_positions=max_positions)
+    model = TransformerLM.empty(config, dtype=dtype, device=device, max_positions=max_positions)
     hq, hk = (c.n_head, c.n_head_kv) if c.arch == "llama" else (0, 0)  # llama GGUFs store Q/K rows permuted
     q_rows, k_rows = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
     with torch.no_grad():

@@ -4,12 +4,13 @@
     seq = cache.new_sequence()
     seq.append(rows)           # rows: [n_layer, 2, n, Hkv, D], the K/V of the next n positions
     seq.truncate(100)          # keep positions 0..99
+    seq.reserve(164); seq.trim()                                  # blocks for a step's tree, then back
     other = cache.new_sequence(); other.share_prefix(seq, 100)   # adopts the 6 full blocks
     cache.gather(layer, cache.block_tables([seq, other]))        # [2, B, nb*bs, Hkv, D]
     seq.close(); other.close()
 
 Memory: `kv[layer]` is [2, num_blocks, block_size, Hkv, D] (K then V), a view of one allocation
-made up front. Sequence position p lives in block `blocks[p // block_size]` at offset
+made up front (`flat`: the same memory as [n_layer, 2, slots, Hkv, D]). Sequence position p lives in block `blocks[p // block_size]` at offset
 `p % block_size`. The pool (block_pool.py) keeps the free list and the refcounts.
 
 Sharing rule (no copy-on-write machinery): only full blocks are shared, and a sequence writes only
@@ -61,8 +62,8 @@ class PagedKVCache:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.kv = torch.zeros(n_layer, 2, num_blocks, block_size, n_head_kv, head_dim, dtype=dtype, device=device)
-        self._slots = self.kv.view(n_layer, 2, num_blocks * block_size, n_head_kv, head_dim)
-        self._sequences: set[Sequence] = set()
+        self.flat = self.kv.view(n_layer, 2, num_blocks * block_size, n_head_kv, head_dim)
+        self._sequences: set[KVSequence] = set()
 
     @property
     def device(self) -> torch.device:
@@ -75,13 +76,13 @@ class PagedKVCache:
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
 
-    def new_sequence(self) -> "Sequence":
-        seq = Sequence(self)
+    def new_sequence(self) -> "KVSequence":
+        seq = KVSequence(self)
         self._sequences.add(seq)
         return seq
 
     # -- reading ------------------------------------------------------------------------------
-    def block_tables(self, seqs: Seq["Sequence"], n_blocks: int | None = None) -> torch.Tensor:
+    def block_tables(self, seqs: Seq["KVSequence"], n_blocks: int | None = None) -> torch.Tensor:
         """[B, n_blocks] int64 block ids, padded with the null block (default: the longest table)."""
         width = max((len(s.blocks) for s in seqs), default=0) if n_blocks is None else n_blocks
         rows = [s.blocks + [NULL_BLOCK] * (width - len(s.blocks)) for s in seqs]
@@ -91,9 +92,9 @@ class PagedKVCache:
         """The K/V of the blocks in `tables` [B, nb], in position order: [2, B, nb*block_size, Hkv, D]."""
         return self.kv[layer][:, tables].flatten(2, 3)
 
-    # -- writing (through Sequence) -----------------------------------------------------------
+    # -- writing (through KVSequence) -----------------------------------------------------------
     def _write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        self._slots[:, :, slots] = rows.to(self.kv.dtype)
+        self.flat[:, :, slots] = rows.to(self.kv.dtype)
 
     def _copy_block(self, src: int, dst: int) -> None:
         self.kv[:, :, dst] = self.kv[:, :, src]
@@ -116,7 +117,7 @@ class PagedKVCache:
                            empty_slots_in_partial=empty, filled_slots=sum(filled.values()))
 
 
-class Sequence:
+class KVSequence:
     """One session's cached positions 0..length-1 and the blocks holding them."""
 
     def __init__(self, cache: PagedKVCache) -> None:
@@ -133,7 +134,8 @@ class Sequence:
             raise RuntimeError("this KV sequence was closed")
 
     def append(self, rows: torch.Tensor) -> None:
-        """Write the K/V of positions length..length+n-1; rows: [n_layer, 2, n, Hkv, D]."""
+        """Write the K/V of positions length..length+n-1; rows: [n_layer, 2, n, Hkv, D] (the engine
+        writes through its forward instead; this is for tests and tools)."""
         self._check_open()
         c = self.cache
         if rows.dim() != 5 or rows.shape[:2] != c.kv.shape[:2] or rows.shape[3:] != c.kv.shape[4:]:
@@ -151,22 +153,45 @@ class Sequence:
         self.length += n
 
     def truncate(self, n: int) -> None:
-        """Keep positions 0..n-1; blocks past them go back to the pool."""
+        """Keep positions 0..n-1; blocks past them go back to the pool.
+
+        If the new tail block is partly filled and shared, it will be written to next, so it is
+        replaced by a private copy. That copy's block is allocated FIRST: if the pool is exhausted
+        the call raises OutOfBlocksError and the sequence is unchanged (never a shared half block
+        that the next write would corrupt for its other owners). The backend sizes the pool with one
+        spare block per session for this."""
         self._check_open()
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot truncate a sequence of {self.length} positions to {n}")
         keep = self.cache.blocks_for(n)
-        self.cache.pool.release(self.blocks[keep:])
+        pool = self.cache.pool
+        private = None
+        if n % self.cache.block_size and pool.refcount[self.blocks[keep - 1]] > 1:
+            (private,) = pool.allocate(1)  # may raise: nothing has changed yet
+        pool.release(self.blocks[keep:])
         del self.blocks[keep:]
         self.length = n
-        if n % self.cache.block_size and self.cache.pool.refcount[self.blocks[-1]] > 1:
-            # The tail is now partly filled and will be written to: it must be ours alone.
-            (private,) = self.cache.pool.allocate(1)
+        if private is not None:
             self.cache._copy_block(self.blocks[-1], private)
-            self.cache.pool.release([self.blocks[-1]])
+            pool.release([self.blocks[-1]])
             self.blocks[-1] = private
 
-    def share_prefix(self, other: "Sequence", n_tokens: int) -> int:
+    def reserve(self, n_positions: int) -> None:
+        """Make sure blocks cover positions 0..n_positions-1 (a step writes its tree there before
+        acceptance); the length is unchanged. `trim` gives back what the step did not keep."""
+        self._check_open()
+        need = self.cache.blocks_for(n_positions) - len(self.blocks)
+        if need > 0:
+            self.blocks += self.cache.pool.allocate(need)
+
+    def trim(self) -> None:
+        """Release the blocks past the current length (reserved for a step, not needed now)."""
+        keep = self.cache.blocks_for(self.length)
+        if len(self.blocks) > keep:
+            self.cache.pool.release(self.blocks[keep:])
+            del self.blocks[keep:]
+
+    def share_prefix(self, other: "KVSequence", n_tokens: int) -> int:
         """Adopt the full blocks of other's first n_tokens positions (this sequence must be empty).
 
         Returns the number of positions adopted (a multiple of block_size, maybe 0)."""

@@ -1,8 +1,10 @@
 """A decoder-only transformer for the `llama` and `qwen2` GGUF architectures, in plain torch.
 
-    model = Decoder.from_gguf(path)                       # float32 on the CPU (the exact reference)
-    model = Decoder.from_gguf(path, dtype=torch.bfloat16, device="cuda")
-    model = Decoder.random(ModelConfig.qwen2_1_5b(), dtype=torch.bfloat16, device="cuda")  # timing only
+    model = gguf_weights.load_model(path)                          # float32 on the CPU (the exact reference)
+    model = gguf_weights.load_model(path, dtype=torch.bfloat16, device="cuda")
+    model = TransformerLM.random(ModelConfig.qwen2_1_5b(), dtype=torch.bfloat16, device="cuda")  # timing only
+
+(Loading lives in gguf_weights.py, which imports this module; this module imports nothing of it.)
 
 One block: x += Wo·Attn(RoPE(Wq·n(x)), RoPE(Wk·n(x)), Wv·n(x)); x += W2·(silu(W1·n(x)) ⊙ W3·n(x)),
 n = RMSNorm. q/k/v have biases in qwen2. Q, K and V come out of one fused matrix (wqkv), gate and up
@@ -13,23 +15,22 @@ form to `llama` GGUFs, whose converter permuted the rows of Q and K to make that
 rotate-half; gguf_weights.py undoes that permutation at load time. Attention scores are unchanged
 by it (the same permutation of head dimensions on both q and k), so the engine needs one RoPE only.
 
-Attention is delegated to `tree_attention.attend`: queries are the step's tokens (a tree, or a
-chunk of prompt), keys are the session's cached context plus the step's own tokens under a
-boolean mask. `forward` returns the step's K/V rows in a scratch tensor instead of writing them
-anywhere: the engine decides which of them become part of the cache (engine.py).
+The forward writes each step token's K/V straight into the paged KV cache (at the flat slot the
+engine chose for it) and then calls an attention function that reads keys from that cache
+(tree_attention.py: a torch reference and a Triton kernel with the same signature). Nothing is
+gathered or concatenated per layer by the model itself; which slots become committed context is
+the engine's business (engine.py). The final norm and the LM head run in float32.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgespec.verifier.torch.tree_attention import attend, expand_mask_for_gqa
 
 ARCHITECTURES = ("llama", "qwen2")
 
@@ -99,6 +100,11 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return h.to(x.dtype) * self.weight
 
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+        """The same norm kept in float32 (for the LM head)."""
+        h = x.float()
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+
 
 class Rotary(nn.Module):
     """cos/sin tables for positions [0, max_positions), computed in float64 once."""
@@ -137,22 +143,30 @@ class Block(nn.Module):
         self.w13 = nn.Linear(c.d_model, 2 * c.d_ff, bias=False)   # gate (w1) and up (w3) stacked
         self.w2 = nn.Linear(c.d_ff, c.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], context_kv: torch.Tensor | None,
-                mask: torch.Tensor, kv_out: torch.Tensor) -> torch.Tensor:
-        """x [B, T, d]; context_kv [2, B, L, Hkv, D] or None; kv_out [2, B, T, Hkv, D] receives this step's K/V."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
+                slots: torch.Tensor, attend: "Attention") -> torch.Tensor:
+        """x [B, T, d]; cos/sin [B, T, 1, D/2]; cache: this layer's [2, S, Hkv, D] flat slot view of the
+        paged KV cache; slots [B*T]: where this step's K/V go; attend reads keys back from `cache`."""
         c = self.c
         B, T, _ = x.shape
         qkv = self.wqkv(self.attn_norm(x)).view(B, T, c.n_head + 2 * c.n_head_kv, c.head_dim)
         q, k, v = qkv.split((c.n_head, c.n_head_kv, c.n_head_kv), dim=2)
-        kv_out[0] = apply_rope(k, *rope)
-        kv_out[1] = v
-        att = attend(apply_rope(q, *rope), kv_out[0], kv_out[1], context_kv, mask)
+        cache[0].index_copy_(0, slots, apply_rope(k, cos, sin).reshape(B * T, c.n_head_kv, c.head_dim))
+        cache[1].index_copy_(0, slots, v.reshape(B * T, c.n_head_kv, c.head_dim))
+        att = attend(apply_rope(q, cos, sin), cache)
         x = x + self.wo(att.reshape(B, T, c.n_head * c.head_dim))
         gate, up = self.w13(self.ffn_norm(x)).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up)
 
 
-class Decoder(nn.Module):
+class Attention(Protocol):
+    """q [B, T, Hq, D] (after RoPE), one layer's cache [2, S, Hkv, D] -> [B, T, Hq, D]. The step's
+    own K/V are already in the cache; the callable carries the step's block tables and tree mask."""
+
+    def __call__(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor: ...
+
+
+class TransformerLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int = 4096) -> None:
         super().__init__()
         self.config = config
@@ -165,19 +179,8 @@ class Decoder(nn.Module):
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
-    def from_gguf(cls, path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                  max_positions: int = 4096) -> "Decoder":
-        """Load and dequantize a llama/qwen2 GGUF file (see gguf_weights.py); dtype defaults to
-        float32 on the CPU and bfloat16 elsewhere."""
-        from edgespec.verifier.torch import gguf_weights
-
-        if dtype is None:
-            dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
-        return gguf_weights.load_decoder(path, dtype=dtype, device=device, max_positions=max_positions)
-
-    @classmethod
     def empty(cls, config: ModelConfig, *, dtype: torch.dtype, device: str | torch.device,
-              max_positions: int = 4096) -> "Decoder":
+              max_positions: int = 4096) -> "TransformerLM":
         """Uninitialised weights on `device` (to be filled by a loader)."""
         with torch.device("meta"):
             model = cls(config, max_positions).to(dtype)
@@ -187,7 +190,7 @@ class Decoder(nn.Module):
 
     @classmethod
     def random(cls, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               max_positions: int = 4096, seed: int = 0) -> "Decoder":
+               max_positions: int = 4096, seed: int = 0) -> "TransformerLM":
         """Random weights at a sensible scale (timing and shape tests only)."""
         model = cls.empty(config, dtype=dtype, device=device, max_positions=max_positions)
         g = torch.Generator(device=device).manual_seed(seed)
@@ -209,27 +212,32 @@ class Decoder(nn.Module):
         return self.embed.weight.device
 
     # -- forward ------------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                context: Callable[[int], torch.Tensor] | None = None, logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """One step over B sequences of T tokens each.
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor,
+                attend: Attention, logits: bool = True) -> torch.Tensor | None:
+        """One step over B sequences of T tokens each; no host sync, so it can be graph-captured.
 
-        tokens, positions: [B, T] int64 (positions < rope.max_positions: not checked here, no device sync).
-        mask: [B, 1, T, L + T] bool, True where query t may attend
-        key j (L context keys first, then the T step tokens). context: per layer, the sequences'
-        cached K/V as [2, B, L, Hkv, D] (None when L = 0); the engine gathers it from blocks.
-        Returns (logits [B, T, vocab] in the model dtype, or None if logits=False;
-                 the step's K/V [n_layer, 2, B, T, Hkv, D]).
+        tokens, positions: [B, T] int64 (positions < rope.max_positions: the engine checks).
+        slots: [B*T] int64 flat cache slots receiving the step's K/V (block * block_size + offset).
+        cache: the whole paged cache as [n_layer, 2, S, Hkv, D] (S = blocks * block_size).
+        Returns float32 logits [B, T, vocab], or None with logits=False (prefill).
         """
-        c = self.config
-        B, T = tokens.shape
-        kv = torch.empty(c.n_layer, 2, B, T, c.n_head_kv, c.head_dim, dtype=self.dtype, device=tokens.device)
-        mask = expand_mask_for_gqa(mask, c.group)  # once per step, shared by every layer
-        rope = self.rope(positions)
+        cos, sin = self.rope(positions)
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, None if context is None else context(i), mask, kv[i])
+            x = layer(x, cos, sin, cache[i], slots, attend)
         if not logits:
-            return None, kv
-        h = self.norm(x)
-        out = F.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
-        return out, kv
+            return None
+        return self.head(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head in float32 (argmax and top-2 margins are decided on these)."""
+        h = self.norm.forward_float(x)
+        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        if w.dtype == torch.float32:
+            return F.linear(h, w)
+        if h.is_cuda:  # bf16 operands, float32 accumulation and output
+            try:
+                return torch.mm(h.to(w.dtype).flatten(0, -2), w.t(), out_dtype=torch.float32).view(*h.shape[:-1], -1)
+            except (TypeError, RuntimeError):  # a torch without out_dtype: bf16 output
+                return F.linear(h.to(w.dtype), w).float()
+        return F.linear(h, w.float())

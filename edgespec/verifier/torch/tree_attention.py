@@ -7,10 +7,9 @@ positions 0..L-1) followed by the step's own T tokens. Token i attends to
 - step token j iff j is an ancestor of i or i itself (the ancestor mask),
 and sits at position L + depth(i). That is exactly what a chain decode of i's root-to-i path sees.
 
-Masks are boolean (True = may attend) and go to `scaled_dot_product_attention` unchanged, which
-runs on the CPU and on CUDA. GQA without repeating K/V: the G query heads that share a KV head are
-packed into the query-row axis ([B, Hkv, G*T, D] against [B, Hkv, L+T, D]), so each KV head is read
-once per step, and the mask is repeated over the G row groups once per step, not per layer.
+The step's own K/V are written into the sequence's cache slots ctx_len + i (i = node index) before
+attention runs, so keys are simply cache positions 0..ctx_len+T-1, read through the block table:
+nothing is concatenated. After acceptance the engine moves the accepted nodes' rows into place.
 """
 from __future__ import annotations
 
@@ -42,40 +41,49 @@ def chain_parents(n: int) -> list[int]:
     return list(range(-1, n - 1))
 
 
-def step_mask(parents_list: Sequence[Sequence[int]], context_lens: Sequence[int], key_len: int) -> np.ndarray:
-    """[B, 1, T, key_len + T] bool for B sequences; T is the longest tree, shorter ones are padded.
+def visibility(ctx_lens: torch.Tensor, anc: torch.Tensor, key_len: int) -> torch.Tensor:
+    """[B, T, key_len] bool from context lengths [B] and ancestor masks [B, T, T] (on the device, no sync).
 
-    key_len: context slots gathered per sequence (>= every context length; extra slots are padding).
-    Padding tree rows attend to themselves only, so no softmax row is ever empty.
-    """
-    B, T = len(parents_list), max(len(p) for p in parents_list)
-    mask = np.zeros((B, 1, T, key_len + T), dtype=bool)
-    for b, (parents, n_ctx) in enumerate(zip(parents_list, context_lens)):
-        n = len(parents)
-        mask[b, 0, :n, :n_ctx] = True
-        mask[b, 0, :n, key_len:key_len + n] = ancestor_mask(parents)
-        mask[b, 0, range(n, T), range(key_len + n, key_len + T)] = True
-    return mask
-
-
-def expand_mask_for_gqa(mask: torch.Tensor, group: int) -> torch.Tensor:
-    """[B, 1, T, K] -> [B, 1, G*T, K]: the same rows for each of the G query heads of a KV head."""
-    if group == 1:
-        return mask
-    B, _, T, K = mask.shape
-    return mask.expand(B, group, T, K).reshape(B, 1, group * T, K)
+    Keys are cache positions 0..key_len-1 of each sequence; the step's token i sits at position
+    ctx_len + i (index order: its RoPE position is ctx_len + depth, its slot is ctx_len + i). Key 0 is
+    always visible, so a padding row (no context, no tree) never has an empty softmax row; for a real
+    row key 0 is context or the root, visible anyway."""
+    B, T, _ = anc.shape
+    j = torch.arange(key_len, device=anc.device)
+    rel = j[None, :] - ctx_lens[:, None]                                   # [B, K]
+    in_tree = (rel >= 0) & (rel < T)
+    padded = F.pad(anc, (0, 1))                                            # column T: False
+    idx = torch.where(in_tree, rel, T)[:, None, :].expand(B, T, key_len)
+    return (rel < 0)[:, None, :] | padded.gather(2, idx) | (j == 0)[None, None, :]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_kv: torch.Tensor | None,
-           mask: torch.Tensor) -> torch.Tensor:
-    """q [B, T, Hq, D]; k, v [B, T, Hkv, D] (the step's own); context_kv [2, B, L, Hkv, D] or None;
-    mask [B, 1, G*T, L+T] (already expanded). Returns [B, T, Hq, D]; head h uses KV head h // G."""
-    B, T, Hq, D = q.shape
-    Hkv = k.shape[2]
-    G = Hq // Hkv
-    if context_kv is not None and context_kv.shape[2]:
-        k = torch.cat((context_kv[0], k), dim=1)
-        v = torch.cat((context_kv[1], v), dim=1)
-    qp = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-    out = F.scaled_dot_product_attention(qp, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-    return out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+def block_slots(tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B, nb * block_size] flat cache slots of each sequence's positions, in position order."""
+    offsets = torch.arange(block_size, device=tables.device, dtype=tables.dtype)
+    return (tables[:, :, None] * block_size + offsets).flatten(1)
+
+
+class TorchPagedAttention:
+    """Reference tree attention over the paged cache: gather each sequence's blocks, then SDPA with
+    a boolean mask. GQA without repeating K/V: the G query heads that share a KV head are packed
+    into the query-row axis ([B, Hkv, G*T, D] against [B, Hkv, K, D]), so each KV head is read once
+    per group. Runs anywhere torch runs (CPU tests use it); the Triton kernel in triton_attention.py
+    has the same constructor and call."""
+
+    def __init__(self, tables: torch.Tensor, ctx_lens: torch.Tensor, anc: torch.Tensor, block_size: int,
+                 group: int) -> None:
+        B, T, _ = anc.shape
+        key_len = tables.shape[1] * block_size
+        vis = visibility(ctx_lens, anc, key_len)
+        self.mask = vis[:, None].expand(B, group, T, key_len).reshape(B, 1, group * T, key_len)
+        self.slots = block_slots(tables, block_size)
+
+    def __call__(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        B, T, Hq, D = q.shape
+        Hkv = cache.shape[2]
+        G = Hq // Hkv
+        k = cache[0][self.slots].transpose(1, 2)                           # [B, Hkv, K, D]
+        v = cache[1][self.slots].transpose(1, 2)
+        qp = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=self.mask)
+        return out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)

@@ -1,0 +1,166 @@
+"""Tree attention over the paged KV cache as a Triton kernel (CUDA), same interface as
+tree_attention.TorchPagedAttention (the reference it is checked against).
+
+One program handles one (sequence, KV head) pair, one tile of query rows and one split of the keys.
+Query rows are the G query heads of that KV head times the T tree tokens (row r = t * G + g), so each
+K/V tile is read once per group and the matrix products are G*T rows tall (GQA-aware). Keys are the
+sequence's cache positions 0..ctx+T-1, read through the block table (no gather into a contiguous
+copy, no concatenation); the tree part is masked with packed ancestor bits ([B, T, ceil(T/32)]
+int32, bit j of row t: node j is t or an ancestor of t). Long contexts are split over several
+programs (flash-decoding); a second small kernel merges the splits with their log-sum-exp.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L,
+                     sm_scale, kv_stride_kv, n_tables, T, G, W, MT,
+                     H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                     NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    b = pid_bh // H_KV
+    h = pid_bh % H_KV
+    ctx = tl.load(Ctx + b)
+    n_keys = ctx + T
+    tiles = tl.cdiv(n_keys, BLOCK_N)
+    per_split = tl.cdiv(tiles, NSPLIT)
+    start = pid_s * per_split * BLOCK_N
+    end = tl.minimum(start + per_split * BLOCK_N, n_keys)
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < G * T
+    t = rows // G
+    g = rows % G
+    d = tl.arange(0, D)
+    q_ptr = Q + ((b * T + t) * H_Q + h * G + g)[:, None] * D + d[None, :]
+    q = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp2 below
+    for j0 in range(start, end, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        key_ok = j < end
+        blk = tl.load(Tables + b * n_tables + j // BS, mask=key_ok, other=0)
+        slot = blk * BS + j % BS
+        k_ptr = KV + (slot * H_KV + h)[:, None] * D + d[None, :]
+        k = tl.load(k_ptr, mask=key_ok[:, None], other=0.0)
+        v = tl.load(k_ptr + kv_stride_kv, mask=key_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        rel = j - ctx
+        in_tree = (rel >= 0) & (rel < T) & key_ok
+        rel = tl.where(in_tree, rel, 0)
+        word = tl.load(Bits + (b * T + t)[:, None] * W + (rel // 32)[None, :],
+                       mask=row_ok[:, None] & in_tree[None, :], other=0)
+        bit = (word >> (rel % 32)[None, :]) & 1
+        visible = ((j < ctx)[None, :] | (bit != 0) | (j == 0)[None, :]) & key_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    base = (pid_bh * NSPLIT + pid_s) * MT + rows
+    tl.store(M + base, m_i, mask=row_ok)
+    tl.store(L + base, l_i, mask=row_ok)
+    tl.store(Acc + base[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _tree_attn_merge(Acc, M, L, O, T, G, MT,
+                     H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr,
+                     BLOCK_R: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    b = pid_bh // H_KV
+    h = pid_bh % H_KV
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < G * T
+    d = tl.arange(0, D)
+    m_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for s in range(NSPLIT):
+        m = tl.load(M + (pid_bh * NSPLIT + s) * MT + rows, mask=row_ok, other=float("-inf"))
+        m_max = tl.maximum(m_max, m)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    num = tl.zeros([BLOCK_R, D], tl.float32)
+    den = tl.zeros([BLOCK_R], tl.float32)
+    for s in range(NSPLIT):
+        base = (pid_bh * NSPLIT + s) * MT + rows
+        m = tl.load(M + base, mask=row_ok, other=float("-inf"))
+        w = tl.exp2(m - m_max)
+        den += w * tl.load(L + base, mask=row_ok, other=0.0)
+        num += w[:, None] * tl.load(Acc + base[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+    out = num / tl.maximum(den, 1e-30)[:, None]
+    t = rows // G
+    g = rows % G
+    o_ptr = O + ((b * T + t) * H_Q + h * G + g)[:, None] * D + d[None, :]
+    tl.store(o_ptr, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+def pack_ancestor_bits(anc: torch.Tensor) -> torch.Tensor:
+    """[B, T, T] bool -> [B, T, ceil(T/32)] int32 (bit j % 32 of word j // 32)."""
+    B, T, _ = anc.shape
+    W = -(-T // 32)
+    padded = torch.nn.functional.pad(anc, (0, W * 32 - T)).view(B, T, W, 32).to(torch.int64)
+    words = (padded << torch.arange(32, device=anc.device, dtype=torch.int64)).sum(-1)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+class TritonPagedAttention:
+    """Same constructor and call as TorchPagedAttention; the split count is fixed per shape bucket
+    (tables' width), so the launch is CUDA-graph safe (lengths are read on the device)."""
+
+    BLOCK_M = 64
+    BLOCK_N = 64
+
+    def __init__(self, tables: torch.Tensor, ctx_lens: torch.Tensor, anc: torch.Tensor, block_size: int,
+                 group: int, nsplit: int | None = None) -> None:
+        self.tables = tables.contiguous()
+        self.ctx = ctx_lens.contiguous()
+        self.bits = pack_ancestor_bits(anc).contiguous()
+        self.block_size = block_size
+        self.group = group
+        self.max_keys = tables.shape[1] * block_size
+        self.nsplit = nsplit
+
+    def splits(self, B: int, h_kv: int, m_tiles: int) -> int:
+        """Enough programs to fill ~2 waves of 132 SMs, but >= 2 key tiles per split."""
+        if self.nsplit:
+            return self.nsplit
+        want = math.ceil(264 / max(1, B * h_kv * m_tiles))
+        most = max(1, self.max_keys // (2 * self.BLOCK_N))
+        return int(max(1, min(want, most, 32)))
+
+    def __call__(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        B, T, Hq, D = q.shape
+        Hkv = cache.shape[2]
+        G = Hq // Hkv
+        q = q.contiguous()
+        MT = G * T
+        m_tiles = triton.cdiv(MT, self.BLOCK_M)
+        ns = self.splits(B, Hkv, m_tiles)
+        acc = torch.empty(B * Hkv, ns, MT, D, dtype=torch.float32, device=q.device)
+        m = torch.empty(B * Hkv, ns, MT, dtype=torch.float32, device=q.device)
+        l_ = torch.empty_like(m)
+        W = self.bits.shape[2]
+        _tree_attn_split[(B * Hkv, ns, m_tiles)](
+            q, cache, self.tables, self.ctx, self.bits, acc, m, l_,
+            1.0 / math.sqrt(D), cache.stride(0), self.tables.shape[1], T, G, W, MT,
+            H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N,
+            num_warps=4, num_stages=2)
+        out = torch.empty_like(q)
+        block_r = 32
+        _tree_attn_merge[(B * Hkv, triton.cdiv(MT, block_r))](
+            acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns, BLOCK_R=block_r, num_warps=4)
+        return out

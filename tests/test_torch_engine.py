@@ -1,0 +1,294 @@
+"""The torch verify engine's device path against the reference on the CPU (float32, tiny random
+qwen2 model): acceptance decided on the device (greedy argmax, target-sample inverse CDF) equals
+common/acceptance.py on the same logits, the committed K/V after compaction equal a fresh prefill
+of the committed tokens, batching several sequences equals verifying each alone, and the paged
+cache keeps a shared prefix intact when the pool is exhausted. CUDA graphs and the Triton kernel
+are exercised by tools/bench_gpu_verify.py on a GPU (their results go to docs/BENCHMARKS.md).
+"""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'edgespec[torch]')")
+
+from edgespec.common.acceptance import accept_logits  # noqa: E402
+from edgespec.common.sampling import AcceptanceRule, SamplingParams, probabilities, sample_inverse_cdf  # noqa: E402
+from edgespec.common.tree import TokenTree  # noqa: E402
+from edgespec.verifier.torch.block_pool import OutOfBlocksError  # noqa: E402
+from edgespec.verifier.torch.engine import Engine, TreeStep, bucket, sample_choice, uniform  # noqa: E402
+from edgespec.verifier.torch.kv_cache import PagedKVCache  # noqa: E402
+from edgespec.verifier.torch.model import ModelConfig, TransformerLM  # noqa: E402
+from edgespec.verifier.torch.tree_attention import TorchPagedAttention, ancestor_mask  # noqa: E402
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return TransformerLM.random(ModelConfig.tiny("qwen2"), dtype=torch.float32, seed=3)
+
+
+def new_engine(model, blocks=96):
+    return Engine(model, num_blocks=blocks, block_size=4)
+
+
+def random_parents(n, rng):
+    return [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+
+
+def grow_tree(engine, seq, rng, n, choose):
+    """A tree of n nodes whose first child at each level is `choose(logits row)` of its parent (so
+    the verifier accepts a path of several nodes), other nodes random. Returns (tokens, parents)."""
+    tokens, parents = [int(rng.integers(0, VOCAB))], [-1]
+    node = 0
+    while len(tokens) < n:
+        row = engine.logits(seq, tokens, parents)[node].numpy()
+        want = choose(node, row)
+        kids = {tokens[i] for i in range(len(tokens)) if parents[i] == node}
+        if want not in kids:
+            tokens.append(want)
+            parents.append(node)
+            node = len(tokens) - 1
+        for _ in range(2):  # a couple of random siblings or cousins
+            if len(tokens) >= n:
+                break
+            p = int(rng.integers(0, len(tokens)))
+            t = int(rng.integers(0, VOCAB))
+            if t not in {tokens[i] for i in range(len(tokens)) if parents[i] == p}:
+                tokens.append(t)
+                parents.append(p)
+    return tokens, parents
+
+
+def committed_kv(engine, seq):
+    c = engine.cache
+    tables = c.block_tables([seq])
+    return torch.stack([c.gather(i, tables)[:, 0, :seq.length] for i in range(c.n_layer)])
+
+
+def reference_decision(engine, seq, tokens, parents, sampling, step):
+    logits = engine.logits(seq, tokens, parents).numpy()
+    tree = TokenTree(tokens=np.array(tokens), parents=np.array(parents))
+    acc, margins = accept_logits(tree, sampling, step, logits.argmax(-1), lambda i: logits[i])
+    return acc, margins
+
+
+def test_bucket_is_the_next_power_of_two():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 63, 64, 65)] == [1, 2, 4, 4, 8, 64, 64, 128]
+
+
+def test_paged_attention_equals_dense_attention(model):
+    """TorchPagedAttention over scattered blocks equals plain attention over the same keys."""
+    g = torch.Generator().manual_seed(0)
+    B, T, Hkv, G, D, bs = 2, 5, 2, 3, 8, 4
+    cache = torch.randn(2, 40 * bs, Hkv, D, generator=g)
+    tables = torch.tensor([[7, 3, 11, 0], [5, 9, 0, 0]])
+    ctx = torch.tensor([9, 2])
+    parents = [-1, 0, 0, 1, 3]
+    anc = torch.from_numpy(ancestor_mask(parents))[None].expand(B, T, T)
+    q = torch.randn(B, T, Hkv * G, D, generator=g)
+    out = TorchPagedAttention(tables, ctx, anc, bs, G)(q, cache)
+    for b in range(B):
+        slots = (tables[b][:, None] * bs + torch.arange(bs)).flatten()
+        L = int(ctx[b])
+        keys = torch.cat((slots[:L], slots[L:L + T]))
+        k, v = cache[0][keys], cache[1][keys]
+        for t in range(T):
+            vis = torch.tensor([True] * L + [bool(anc[b, t, j]) for j in range(T)])
+            for h in range(Hkv * G):
+                s = (k[vis, h // G] @ q[b, t, h]) / D ** 0.5
+                ref = torch.softmax(s, 0) @ v[vis, h // G]
+                assert torch.allclose(out[b, t, h], ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(),
+    SamplingParams(temperature=0.7, seed=5),
+    SamplingParams(temperature=1.0, top_k=20, seed=6),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=7),
+], ids=["greedy", "t0.7", "t1.0-topk20", "t0.8-topp0.9"])
+def test_device_acceptance_equals_reference_and_compacts_kv(model, sampling):
+    """Three sequences (different contexts and tree sizes) in one forward: each decision equals
+    accept_logits on that tree's own logits, and each cache then holds exactly the K/V a prefill
+    of the committed tokens gives."""
+    engine = new_engine(model)
+    rng = np.random.default_rng(11)
+    seqs, trees, prefixes = [], [], []
+    step = 4
+
+    def choose(node, row):
+        if sampling.greedy:
+            return int(row.argmax())
+        return sample_inverse_cdf(probabilities(row, sampling), uniform(sampling.seed, step, node))
+
+    for n_ctx, n in ((13, 9), (30, 16), (5, 3)):
+        prefix = rng.integers(0, VOCAB, size=n_ctx).tolist()
+        seq = engine.new_sequence()
+        engine.prefill(seq, prefix)
+        seqs.append(seq)
+        prefixes.append(prefix)
+        trees.append(grow_tree(engine, seq, rng, n, choose))
+    refs = [reference_decision(engine, s, t, p, sampling, step) for s, (t, p) in zip(seqs, trees)]
+    decisions = engine.verify([TreeStep(s, t, p, sampling, step) for s, (t, p) in zip(seqs, trees)])
+    for seq, prefix, (tokens, parents), (acc, margins), d in zip(seqs, prefixes, trees, refs, decisions):
+        assert (d.path, d.next_token) == (acc.path, acc.next_token)
+        assert np.allclose(d.margins, margins, atol=1e-4)
+        committed = prefix + [tokens[0]] + [tokens[i] for i in acc.path]
+        assert seq.length == len(committed)
+        fresh = engine.new_sequence()
+        engine.prefill(fresh, committed)
+        assert torch.allclose(committed_kv(engine, seq), committed_kv(engine, fresh), atol=1e-5)
+        fresh.close()
+    assert sum(len(d.path) for d in decisions) >= 3, "the trees were grown to be accepted"
+    for s in seqs:
+        s.close()
+    assert engine.cache.report().used_blocks == 0
+
+
+def test_speculative_greedy_equals_target_only_greedy(model):
+    """Decoding with trees that contain the target's path (and noise) gives, token for token, the
+    target-only greedy sequence, with fewer steps."""
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, VOCAB, size=20).tolist()
+    engine = new_engine(model)
+    ref_seq = engine.new_sequence()
+    engine.prefill(ref_seq, prompt[:-1])
+    reference, last = [], prompt[-1]
+    for _ in range(24):
+        [d] = engine.verify([TreeStep(ref_seq, [last], [-1])])
+        reference.append(d.next_token)
+        last = d.next_token
+    seq = engine.new_sequence()
+    engine.prefill(seq, prompt[:-1])
+    out, last, steps = [], prompt[-1], 0
+    while len(out) < 24:
+        tokens, parents = [last], [-1]
+        node = 0
+        for depth, t in enumerate(reference[len(out):len(out) + 4]):
+            wrong = int((t + 1 + depth) % VOCAB)
+            tokens += [wrong, t] if depth % 2 else [t, wrong]
+            parents += [node, node]
+            node = len(tokens) - (1 if depth % 2 else 2)
+            if rng.random() < 0.25:  # sometimes the draft is wrong from here on
+                tokens[node] = (tokens[node] + 7) % VOCAB
+                break
+        [d] = engine.verify([TreeStep(seq, tokens, parents)])
+        out += [tokens[i] for i in d.path] + [d.next_token]
+        last = out[-1]
+        steps += 1
+    assert out[:24] == reference
+    assert steps < 24
+
+
+def test_batched_verify_equals_one_at_a_time(model):
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, VOCAB, size=n).tolist() for n in (7, 19, 33, 4)]
+    trees = [(rng.integers(0, VOCAB, size=n).tolist(), random_parents(n, rng)) for n in (5, 12, 1, 30)]
+    results = []
+    for batched in (True, False):
+        engine = new_engine(model, blocks=160)
+        seqs = []
+        for p in prompts:
+            s = engine.new_sequence()
+            engine.prefill(s, p)
+            seqs.append(s)
+        for _ in range(3):
+            steps = [TreeStep(s, [int(rng.integers(0, VOCAB))] + t[1:], parents) for s, (t, parents) in zip(seqs, trees)]
+            results.append(engine.verify(steps) if batched else [engine.verify([st])[0] for st in steps])
+        rng = np.random.default_rng(5)  # the same trees for the second run
+        prompts = [rng.integers(0, VOCAB, size=n).tolist() for n in (7, 19, 33, 4)]
+        trees = [(rng.integers(0, VOCAB, size=n).tolist(), random_parents(n, rng)) for n in (5, 12, 1, 30)]
+    half = len(results) // 2
+    for a, b in zip(results[:half], results[half:]):
+        assert [(d.path, d.next_token) for d in a] == [(d.path, d.next_token) for d in b]
+
+
+def test_device_sampling_equals_numpy_reference_on_random_logits():
+    """sample_choice (float64 on the CPU) picks the same tokens as common.sampling for many rows."""
+    g = torch.Generator().manual_seed(1)
+    B, T, V = 4, 6, 300
+    logits = torch.randn(B, T, V, generator=g) * 3
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=5),
+              SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=0.5, top_k=40, top_p=0.95)]
+    u = torch.rand(B, T, generator=g, dtype=torch.float64)
+    got = sample_choice(logits, torch.tensor([p.temperature for p in params], dtype=torch.float64),
+                        torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params],
+                                                                             dtype=torch.float64),
+                        u, True, torch.float64)
+    for b, p in enumerate(params):
+        for t in range(T):
+            want = sample_inverse_cdf(probabilities(logits[b, t].numpy(), p), float(u[b, t]))
+            assert int(got[b, t]) == want
+
+
+def test_rejection_rule_is_decided_on_the_host(model):
+    """A step under the rejection rule (q on the wire) runs the same forward, is decided by its
+    host rule on the logits rows, and compacts the path that rule chose."""
+    engine = new_engine(model)
+    rng = np.random.default_rng(8)
+    prefix = rng.integers(0, VOCAB, size=10).tolist()
+    seq = engine.new_sequence()
+    engine.prefill(seq, prefix)
+    tokens, parents = grow_tree(engine, seq, rng, 6, lambda node, row: int(row.argmax()))
+    seen = {}
+
+    def rule(argmax, row):
+        from edgespec.common.acceptance import accept_greedy
+        seen["rows"] = row(0).shape
+        return accept_greedy(TokenTree(tokens=np.array(tokens), parents=np.array(parents)), argmax)
+
+    sampling = SamplingParams(temperature=1.0, rule=AcceptanceRule.REJECTION)
+    [d] = engine.verify([TreeStep(seq, tokens, parents, sampling, 0, host_rule=rule)])
+    assert seen["rows"] == (VOCAB,) and engine.stats["host_decided"] == 1
+    assert len(d.path) >= 1
+    fresh = engine.new_sequence()
+    engine.prefill(fresh, prefix + [tokens[0]] + [tokens[i] for i in d.path])
+    assert torch.allclose(committed_kv(engine, seq), committed_kv(engine, fresh), atol=1e-5)
+    with pytest.raises(ValueError, match="host_rule"):
+        engine.verify([TreeStep(seq, [d.next_token], [-1], sampling)])
+
+
+def test_truncate_into_shared_block_with_exhausted_pool_changes_nothing():
+    """Truncating into a shared block needs a private copy; with no free block the call fails
+    BEFORE anything changes, and the other owner's prefix is never written."""
+    cache = PagedKVCache(2, 2, 4, num_blocks=4, block_size=4)   # 3 usable blocks
+    a, b = cache.new_sequence(), cache.new_sequence()
+    data = torch.randn(2, 2, 8, 2, 4)
+    a.append(data)                       # blocks 1, 2
+    b.share_prefix(a, 8)                 # shares both
+    spare = cache.new_sequence()
+    spare.append(torch.randn(2, 2, 1, 2, 4))  # takes the last free block
+    assert cache.pool.num_free == 0
+    before = (list(b.blocks), b.length)
+    with pytest.raises(OutOfBlocksError):
+        b.truncate(6)                    # into shared block 2: needs a copy, none free
+    assert (list(b.blocks), b.length) == before
+    spare.close()
+    b.truncate(6)                        # now the copy is allocated first, then the tail released
+    assert b.blocks[1] != a.blocks[1] and cache.pool.refcount[a.blocks[1]] == 1
+    b.append(torch.zeros(2, 2, 2, 2, 4))
+    tables = cache.block_tables([a])
+    assert torch.equal(torch.stack([cache.gather(i, tables)[:, 0] for i in range(2)]), data)
+    a.close(), b.close()
+    assert cache.pool.num_free == 3
+
+
+def test_reserve_and_trim():
+    cache = PagedKVCache(1, 1, 2, num_blocks=10, block_size=4)
+    s = cache.new_sequence()
+    s.append(torch.zeros(1, 2, 5, 1, 2))
+    s.reserve(5 + 9)
+    assert len(s.blocks) == 4 and len(s) == 5
+    s.trim()
+    assert len(s.blocks) == 2
+    with pytest.raises(OutOfBlocksError):
+        s.reserve(100)
+    assert len(s.blocks) == 2
+    s.close()

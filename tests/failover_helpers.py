@@ -19,14 +19,14 @@ PROBE_S = 0.3
 
 
 class Recorder:
-    """Spies on session.generate_tokens: the tokens committed per step, with the time they came
-    (monotonic, and wall-clock to compare with the failover's event times)."""
+    """Spies on the session's decode loop (session.decoder.run): the tokens emitted per step, with
+    the time they came (monotonic, and wall-clock to compare with the failover's event times)."""
 
     def __init__(self, session: EdgeSession) -> None:
         self.steps: list[list[int]] = []
         self.times: list[float] = []
         self.walls: list[float] = []
-        inner = session.generate_tokens
+        inner = session.decoder.run
 
         def spy(*args, **kwargs):
             for tokens in inner(*args, **kwargs):
@@ -35,7 +35,7 @@ class Recorder:
                 self.walls.append(time.time())
                 yield tokens
 
-        session.generate_tokens = spy
+        session.decoder.run = spy
 
     @property
     def tokens(self) -> list[int]:
@@ -91,8 +91,8 @@ def check_run(model, session: EdgeSession, rec: Recorder, chunks: list[str], ref
     # the stream of chunks concatenates to the text of exactly the committed tokens
     text = b"".join(model.token_bytes(t) for t in out).decode("utf-8", "replace")
     assert "".join(chunks) == text, label
-    # what the failover verifier holds as committed is the prompt plus exactly these tokens
-    committed = session.failover.committed
+    # the decoder's committed context (its only copy) is the prompt plus exactly these tokens
+    committed = session.decoder.committed
     assert committed[:len(prompt) + len(candidate)] == prompt + candidate, label
     assert len(committed) - len(prompt) - len(out) <= SHAPE.max_depth + 1  # the last step's overshoot
     assert_lossless(candidate, reference, label)

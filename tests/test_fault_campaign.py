@@ -13,7 +13,7 @@ steps and mid-step), and a verifier SIGKILL mid-step followed by a restart on th
 
 Checked: every generation is the target's greedy output (an uninterrupted local-only reference,
 token for token, near-ties excepted as in tests/lossless.py, plus a teacher-forced check of every
-token), the verifier-side committed context is the prompt plus exactly the emitted tokens (nothing
+token), the decoder's committed context is the prompt plus exactly the emitted tokens (nothing
 lost, nothing duplicated), streamed chunks concatenate to the text, and switches were reported
 both ways for each fault that forced one.
 """
@@ -62,7 +62,7 @@ def emit(**kw):
 session = EdgeSession(args["model"], args["model"], verifier=args["address"], n_ctx=args["n_ctx"],
                       tree=TreeShape(*args["shape"]), deadline_s=args["deadline_s"],
                       probe_interval_s=args["probe_s"], on_switch=lambda e: emit(kind="switch", event=e.as_dict()))
-inner, count, turn = session.generate_tokens, [0], [0]
+inner, count, turn = session.decoder.run, [0], [0]
 
 def lockstep(*a, **k):
     for tokens in inner(*a, **k):
@@ -73,12 +73,12 @@ def lockstep(*a, **k):
             raise SystemExit(3)
         yield tokens
 
-session.generate_tokens = lockstep
+session.decoder.run = lockstep
 for i, text in enumerate(args["prompts"]):
     turn[0] = i
     emit(kind="turn", index=i, prompt=session.draft_model.chat_tokens([{"role": "user", "content": text}]))
     chunks = list(session.chat(text, stream=True, max_tokens=args["max_tokens"]))
-    emit(kind="turn_done", index=i, chunks=chunks, committed=session.failover.committed)
+    emit(kind="turn_done", index=i, chunks=chunks, committed=session.decoder.committed)
 fo = session.stats.extra["failover"]
 emit(kind="done", failover=fo, steps=session.stats.steps, link=session.stats.link.as_dict())
 session.close()

@@ -38,6 +38,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     link.add_argument("--probe-interval", type=float, default=2.0, metavar="SECONDS",
                       help="how often to probe a failed verifier for re-attaching (default %(default)s)")
     link.add_argument("--no-fallback", action="store_true", help="fail instead of verifying locally when the link breaks")
+    link.add_argument("--local-first", action="store_true",
+                      help="start verifying locally if the verifier cannot be reached yet, and attach it once it can "
+                           "(otherwise an unreachable verifier is an error)")
     p.add_argument("--n-ctx", type=int, default=4096)
     p.add_argument("--json-stats", action="store_true", help="print the final stats as JSON on stderr")
     p.set_defaults(func=run)
@@ -65,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not args.verbose:  # switches are reported below, in one line each
             logging.getLogger("edgespec.failover").setLevel(logging.ERROR)
-        link.update(fallback=not args.no_fallback, deadline_s=args.deadline, probe_interval_s=args.probe_interval,
+        link.update(fallback=not args.no_fallback, local_first=args.local_first, deadline_s=args.deadline,
+                    probe_interval_s=args.probe_interval,
                     on_switch=lambda e: print(f"\n[edgespec] verifying {e.to_mode} from step {e.step}: {e.reason}",
                                               file=sys.stderr, flush=True))
         if args.verifier:

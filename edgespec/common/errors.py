@@ -28,3 +28,8 @@ class ContextOverflowError(EdgespecError):
 
 class VerifierUnavailableError(EdgespecError):
     """The remote verifier cannot be reached or refused the session."""
+
+
+class VerifierConfigError(VerifierUnavailableError):
+    """A verifier that was never reached (wrong address, TLS settings, ...): a configuration
+    error, so no local fallback hides it."""

@@ -16,7 +16,7 @@ import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -28,8 +28,19 @@ from edgespec.edge.planner import Planner, StepObservation
 
 
 class Verifier(Protocol):
-    def sync(self, committed: list[int]) -> None: ...
-    def verify(self, tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult: ...
+    """What the decoder needs from a verifier (local target, FailoverVerifier over gRPC).
+
+    The decoder owns the committed context and passes it, its own list, to every call; a verifier
+    keeps no copy. It may keep the list to read (never to write), relying on this: between two
+    syncs the list only grows, by the tokens of each verify answer, appended in full.
+    """
+
+    def sync(self, context: Sequence[int]) -> None:
+        """A new context starts (prompt, next turn): process it now, ahead of the first step."""
+
+    def verify(self, context: Sequence[int], tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult:
+        """Verify `tree` (rooted at context[-1]) after exactly `context`."""
+
     def close(self) -> None: ...
 
 
@@ -102,6 +113,9 @@ class Decoder:
         self.planner = Planner() if shape is None else None
         self.is_end = is_end
         self.pipelined = pipelined
+        # The committed context of the conversation being decoded: prompt + every verify answer,
+        # in full (also what follows an end token or max_tokens). Its only owner and writer.
+        self.committed: list[int] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="edgespec-verify")
 
     @property
@@ -113,7 +127,7 @@ class Decoder:
 
     def run(self, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> Iterator[list[int]]:
         """Yields the tokens committed by each target step (end-of-generation token excluded)."""
-        committed = list(prompt)
+        committed = self.committed = list(prompt)  # a new list: verifiers see a new context
         started = time.perf_counter()
         if self.drafts_ahead:  # prefill both models at once (the verifier on its own thread or host)
             with self._on_verify_thread(self.verifier.sync, committed) as synced:
@@ -137,19 +151,19 @@ class Decoder:
             # for target-only steps too: the draft then just takes in the committed tokens, so its
             # KV cache is current whenever speculating pays again (no catch-up prefill then).
             if self.drafts_ahead and (len(draft.tree) > 1 or self.planner is not None):
-                with self._on_verify_thread(self.verifier.verify, draft.tree, sampling, step) as future:
+                with self._on_verify_thread(self.verifier.verify, committed, draft.tree, sampling, step) as future:
                     prepared = self._draft_ahead(committed, draft, sampling, step + 1, future.done)
                 result = future.result()
             else:
-                result = self.verifier.verify(draft.tree, sampling, step)
+                result = self.verifier.verify(committed, draft.tree, sampling, step)
                 prepared = None
                 if len(draft.tree) > 1:
                     self.drafter.accept(draft, result.path)
             answered = time.perf_counter()
 
+            committed.extend(result.tokens)  # all of it: the verifier's context now ends so
             new = result.tokens[: max_tokens - produced]
             end = next((i for i, t in enumerate(new) if self.is_end(t)), None)
-            committed.extend(new)
             emitted = new if end is None else new[:end]
             produced += len(emitted)
             self._record(draft, result, emitted, started, sent, answered)

@@ -1,12 +1,12 @@
 """The bundled verifier as a child process: `EdgeSession()` with no verifier address uses this.
 
     with EmbeddedVerifier(modelstore.resolve("target")) as ev:
-        link = RemoteVerifier(ev.address, token=ev.token, tokenizer_hash=...)
+        link = RemoteVerifier(ev.address, token=ev.token, tokenizer_hash=...)   # or EdgeSession()
 
 The child is `python -m edgespec verifier serve --model PATH --host 127.0.0.1 --port 0`: the same
 service a GPU box runs, so the edge always talks the one protocol. It listens on loopback only,
 with a random bearer token passed through the environment (not the command line). We read its
-ready line, wait for the standard health check to say SERVING, and on `stop()` send SIGTERM, then
+ready line, wait for the standard health check (edge/health.py) to say SERVING, and on `stop()` send SIGTERM, then
 SIGKILL after a timeout. The child also exits by itself if this process dies (--exit-with-parent).
 """
 from __future__ import annotations
@@ -24,11 +24,8 @@ import time
 import weakref
 from typing import IO, Sequence
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from edgespec.common import wire
 from edgespec.common.errors import VerifierUnavailableError
+from edgespec.edge import health
 
 log = logging.getLogger(__name__)
 READY_RE = re.compile(r"^edgespec-verifier listening on (\S+)$")
@@ -183,21 +180,9 @@ class EmbeddedVerifier:
                 return m.group(1)
 
     def _wait_serving(self, address: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(service=wire.SERVICE_NAME), timeout=2)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError as exc:
-                    last = f"{exc.code().name}: {exc.details()}"
-                else:
-                    last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise VerifierUnavailableError(f"the embedded verifier is not serving ({last}): {self._stderr_tail()}")
-                time.sleep(0.05)
+        ok, seen = health.wait_serving(address, timeout_s, alive=lambda: self.proc.poll() is None)
+        if not ok:
+            raise VerifierUnavailableError(f"the embedded verifier is not serving ({seen}): {self._stderr_tail()}")
 
     @property
     def running(self) -> bool:

@@ -1,17 +1,30 @@
-"""The edge's link to a verifier service: `RemoteVerifier`, a drop-in for the local verifier.
+"""The edge's link to a verifier service: one channel, one Session stream, one way to recover.
 
-    v = RemoteVerifier("gpu-box:50051", token="...", tls="ca.pem", tokenizer_hash=draft.tokenizer_fingerprint())
-    v.sync(prompt_tokens); result = v.verify(tree, sampling, step); v.close()
+    link = Link("gpu-box:50051", token="...", tls="ca.pem", tokenizer_hash=draft.tokenizer_fingerprint())
+    link.sync(prompt)                                              # Open (first contact) + Sync
+    result = link.verify(context, tree, sampling, step, Deadline(2.0, "step 0"))
 
-One bidirectional `Session` stream carries the conversation (see proto/edgespec/v1/edgespec.proto).
-The link keeps the committed context itself, so it can recover without bothering the caller:
-- `ResyncRequired` (the server evicted this session's KV, or lost track): re-send Sync, retry.
-- The stream broke (server restarted, connection reset: UNAVAILABLE/CANCELLED): reconnect
-  (Open + Sync) and retry once; if that fails too, VerifierUnavailableError reaches the caller.
-Other failures raise the edgespec exception the server named (edgespec.common.wire.error_from_status),
-with the server's message; the stream is then reopened on the next call.
+The caller owns the committed context and passes it to every call (see edgespec/edge/decoder.py);
+the link keeps no copy. It only counts how many of the caller's tokens the server holds
+(`server_len`) of which context object: the caller's list only grows by verify answers between
+syncs, so the server holds a prefix of it, and the link sends a Sync of the context whenever it
+is another list or that count is not its length (after steps verified elsewhere, a new stream). Every Verify also carries the
+context length, which the server checks (ResyncRequired, answered with a Sync and a retry).
 
-Link statistics (`link_stats`): per Verify round trip the wall time, the network share of it
+Recovery, in one place (`attach`): a failure ends the stream (the server ends it with a status).
+A client error (bad tree, full context) leaves the channel as it is; any other failure, or a
+missed deadline, also drops the channel, so nothing the old connection still carries (a late
+Verified, a stalled TCP connection) can reach a later call. `attach(context)` brings back what is
+missing: a channel, a stream (Open), a Sync when the server is behind. `verify` attaches first,
+and if a stream that was working broke under it (a reset, a restarted server) it attaches once
+more within the same deadline. The failover's probe re-attaches through the same method.
+
+Deadlines: every call takes a `Deadline` for all its round trips together. A stream is long-lived,
+so gRPC has no per-message timeout; the one place that waits for an answer waits at most the time
+left and then cancels the call (no thread per call: each stream has one reader thread). Verify
+also tells the server the time left, so it drops a request the edge has given up on.
+
+Link statistics (`stats`): per Verify round trip the wall time, the network share of it
 (rtt = wall - server queue - server compute), the server's queue and compute times, and the bytes
 of the serialised protobuf messages each way (HTTP/2 and TLS framing not included).
 """
@@ -25,24 +38,29 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator, Sequence
 
 import grpc
 
 from edgespec.common import modelstore, wire
 from edgespec.common.acceptance import VerifyResult
-from edgespec.common.errors import EdgespecError, VerifierUnavailableError
+from edgespec.common.errors import (
+    ContextOverflowError,
+    EdgespecError,
+    InvalidRequestError,
+    VerifierUnavailableError,
+)
 from edgespec.common.sampling import SamplingParams
 from edgespec.common.tree import TokenTree
-from edgespec.common.wire import (
-    DeadlineExceededError,
-    UnauthenticatedError,
-    VerifierBusyError,
-)
+from edgespec.common.wire import DeadlineExceededError, UnauthenticatedError, VerifierBusyError
+from edgespec.runtime.conversation import Conversation
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 
 _END = object()
 _RESULT_FIELDS = {f.name for f in dataclasses.fields(VerifyResult)}  # per-step link figures, where supported
+# Errors about the request itself: the stream ends, but the channel and the verifier are fine.
+CLIENT_ERRORS = (InvalidRequestError, ContextOverflowError)
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),          # notice a dead peer during long idle chats
     ("grpc.keepalive_timeout_ms", 10_000),
@@ -83,6 +101,21 @@ def make_channel(address: str, tls: None | bool | str | Path = None, *,
     return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=roots), options=options)
 
 
+class Deadline:
+    """When an operation (all of its round trips) must be done; `what` names it in errors."""
+
+    def __init__(self, seconds: float, what: str = "call") -> None:
+        self.seconds = float(seconds)
+        self.what = what
+        self._expires = time.monotonic() + self.seconds
+
+    def remaining(self) -> float:
+        return max(0.0, self._expires - time.monotonic())
+
+    def error(self, address: str) -> DeadlineExceededError:
+        return DeadlineExceededError(f"no answer from the verifier at {address} within {self.seconds:g} s ({self.what})")
+
+
 @dataclass
 class LinkStats:
     """Cumulative link statistics; `steps` counts answered Verify round trips."""
@@ -91,6 +124,8 @@ class LinkStats:
     syncs: int = 0
     resyncs: int = 0          # ResyncRequired answers (server evicted or lost the session)
     reconnects: int = 0       # streams opened after the first one
+    abandoned: int = 0        # round trips given up at their deadline (their stream cancelled)
+    late_answers: int = 0     # answers that still arrived on an abandoned stream (never used)
     bytes_up: int = 0         # every message sent (Open, Sync, Verify)
     bytes_down: int = 0       # every message received
     step_bytes_up: int = 0    # Verify messages only
@@ -130,6 +165,7 @@ class LinkStats:
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "syncs": self.syncs, "resyncs": self.resyncs, "reconnects": self.reconnects,
+                "abandoned": self.abandoned, "late_answers": self.late_answers,
                 "bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
                 "mean_rtt_ms": round(self.mean_rtt_ms, 3), "mean_wall_ms": round(self.mean_wall_ms, 3),
                 "mean_queue_ms": round(self.mean_queue_ms, 3), "mean_compute_ms": round(self.mean_compute_ms, 3),
@@ -145,15 +181,15 @@ class LinkStats:
 class _Stream:
     """One Session call: requests go through a queue, a reader thread collects the answers."""
 
-    def __init__(self, stub: pb_grpc.VerifierStub, metadata: list[tuple[str, str]], wait_for_ready: bool) -> None:
+    def __init__(self, stub: pb_grpc.VerifierStub, metadata: list[tuple[str, str]], stats: LinkStats) -> None:
         self._requests: queue.Queue = queue.Queue()
         self.responses: queue.Queue = queue.Queue()
-        self.call = stub.Session(self._request_iter(), metadata=metadata, wait_for_ready=wait_for_ready)
-        self.broken = False
-        self._reader = threading.Thread(target=self._read, name="edgespec-link-reader", daemon=True)
-        self._reader.start()
+        self._stats = stats
+        self.abandoned = False
+        self.call = stub.Session(self._request_iter(), metadata=metadata)
+        threading.Thread(target=self._read, name="edgespec-link-reader", daemon=True).start()
 
-    def _request_iter(self):  # noqa: ANN202
+    def _request_iter(self) -> Iterator[pb.EdgeMessage]:
         while True:
             item = self._requests.get()
             if item is _END:
@@ -163,22 +199,34 @@ class _Stream:
     def _read(self) -> None:
         try:
             for response in self.call:
+                if self.abandoned:  # whoever asked has given up on this stream: drop it
+                    self._stats.late_answers += 1
+                    continue
                 self.responses.put(response)
             self.responses.put(_END)
-        except grpc.RpcError as exc:
-            self.responses.put(exc)
-        except Exception as exc:  # noqa: BLE001 - hand it to the waiting caller
+        except Exception as exc:  # noqa: BLE001 - grpc.RpcError and others: handed to the waiting caller
             self.responses.put(exc)
 
     def send(self, message: pb.EdgeMessage) -> None:
         self._requests.put(message)
 
-    def close(self, wait_s: float = 1.0) -> None:
-        self._requests.put(_END)  # half-close: the server ends the stream and frees the session
-        self._reader.join(timeout=wait_s)
-        if self._reader.is_alive():
+    def abandon(self) -> None:
+        """Give up on this stream now: nobody reads what it still delivers."""
+        self.abandoned = True
+        self.call.cancel()
+        self._requests.put(_END)
+
+    def close(self) -> None:
+        """Half-close (the server ends the stream and keeps its KV as a prefix cache); cancel a
+        stream that does not end promptly."""
+        self._requests.put(_END)
+        try:
+            reply = self.responses.get(timeout=1.0)
+        except queue.Empty:
+            reply = None
+        if reply is not _END:
+            self.abandoned = True
             self.call.cancel()
-            self._reader.join(timeout=wait_s)
 
 
 def _error_of(exc: grpc.RpcError) -> EdgespecError:
@@ -192,167 +240,241 @@ def _error_of(exc: grpc.RpcError) -> EdgespecError:
     return wire.error_from_status(code, details, trailer)
 
 
-class RemoteVerifier:
-    """`sync`/`verify`/`close` of a local verifier, served over gRPC by a verifier service."""
+def check_answer(tree: TokenTree, path: Sequence[int], tokens: Sequence[int]) -> None:
+    """A remote answer must fit the tree it answers: an accepted path that is a chain from the
+    root, whose tokens are the tree's, plus exactly one token of the target's."""
+    parents = tree.parents.tolist()
+    ok = len(tokens) == len(path) + 1 and all(0 < p < len(tree) for p in path)
+    if ok:
+        ok = all(parents[p] == (path[i - 1] if i else 0) for i, p in enumerate(path))
+        ok = ok and [int(tree.tokens[p]) for p in path] == list(tokens[:-1])
+    if not ok:
+        raise VerifierUnavailableError(f"inconsistent answer from the verifier (path {list(path)}, tokens {list(tokens)})")
+
+
+def broke_a_working_stream(exc: BaseException) -> bool:
+    """A transport failure worth one immediate re-attach (a reset, a restarted server), unlike a
+    missed deadline, a full verifier or a refused token."""
+    return (isinstance(exc, VerifierUnavailableError)
+            and not isinstance(exc, (UnauthenticatedError, VerifierBusyError, DeadlineExceededError)))
+
+
+class Link:
+    """The remote side of verification: `sync` / `verify` / `close` against the caller's context."""
 
     def __init__(self, address: str, token: str | None = None, tls: None | bool | str | Path = None, *,
-                 tokenizer_hash: str, model_id: str = "", timeout_s: float = 60.0, deadline_ms: int | None = None,
-                 client_name: str = "edgespec", server_name: str | None = None, retries: int = 1,
-                 reconnect_timeout_s: float = 5.0) -> None:
-        """Connect and Open the session at once, so a wrong address, token, model or tokenizer fails here.
-
-        timeout_s bounds every round trip; deadline_ms (default: timeout_s) tells the server how
-        long a Verify may wait in its queue before it should give up (DEADLINE_EXCEEDED).
-        After a transport failure a call is retried `retries` times on a new stream, each retry
-        waiting up to reconnect_timeout_s for the verifier to be reachable again.
-        """
+                 tokenizer_hash: str, model_id: str = "", client_name: str = "edgespec",
+                 server_name: str | None = None, timeout_s: float = 60.0) -> None:
+        """Nothing is connected yet: the first call (or `attach`) makes first contact.
+        timeout_s: the deadline of calls that are not given one."""
         self.address = address
         self.timeout_s = timeout_s
-        self.deadline_ms = int(timeout_s * 1000) if deadline_ms is None else deadline_ms
-        self.retries = retries
-        self.reconnect_timeout_s = reconnect_timeout_s
+        self._tls, self._server_name = tls, server_name
         self._open_msg = wire.open_message(model_id, tokenizer_hash, client_name)
         self._metadata = [(wire.AUTH_KEY, f"Bearer {token}")] if token else []
-        self._channel = make_channel(address, tls, server_name=server_name)
-        self._stub = pb_grpc.VerifierStub(self._channel)
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()     # one operation at a time (the decoder's step, the probe)
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.VerifierStub | None = None
         self._stream: _Stream | None = None
         self._streams_opened = 0
-        self._committed: list[int] = []
-        self.link_stats = LinkStats()
-        self.opened: pb.Opened | None = None
         self._closed = False
-        try:
-            self._connect(resync=False)
-        except BaseException:
-            self._channel.close()
-            raise
+        self._held: Sequence[int] | None = None  # the caller's context the server holds a prefix of...
+        self.server_len = 0                      # ...this long
+        self.opened: pb.Opened | None = None
+        self.reached = False               # an Open was ever answered: the configuration works
+        self.stats = LinkStats()
 
-    # -- the Verifier protocol ----------------------------------------------------------------
-    def sync(self, committed: list[int]) -> None:
+    # -- the context-passing verifier ----------------------------------------------------------
+    def sync(self, context: Sequence[int], deadline: Deadline | None = None) -> None:
+        """A new context: the server is made to hold exactly `context`."""
         with self._lock:
-            self._committed = list(committed)
-            self._with_reconnect(lambda: self._sync_now())
+            self._held = None  # whatever the server held, it is to hold this now
+            self.attach(context, deadline or Deadline(self.timeout_s, "sync"))
 
-    def verify(self, tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult:
+    def verify(self, context: Sequence[int], tree: TokenTree, sampling: SamplingParams, step: int,
+               deadline: Deadline | None = None) -> VerifyResult:
+        """Verify `tree` after `context` (its root is context[-1])."""
+        deadline = deadline or Deadline(self.timeout_s, f"step {step}")
         with self._lock:
-            return self._with_reconnect(lambda: self._verify_now(tree, sampling, step))
+            was_open = self._stream is not None
+            try:
+                self.attach(context, deadline)
+                return self._verify(context, tree, sampling, step, deadline)
+            except Exception as exc:
+                if not (was_open and broke_a_working_stream(exc) and deadline.remaining() > 0):
+                    raise
+            self.attach(context, deadline)  # once more: the stream broke, the verifier may be fine
+            return self._verify(context, tree, sampling, step, deadline)
 
-    def close(self) -> None:
+    def attach(self, context: Sequence[int] | None, deadline: Deadline) -> None:
+        """The one way (back) to a working stream: a channel if there is none, a stream (Open),
+        and a Sync when the server does not hold `context` (None: no Sync)."""
         with self._lock:
             if self._closed:
-                return
-            self._closed = True
-            if self._stream is not None:
-                self._stream.close()
-                self._stream = None
-            self._channel.close()
-
-    def __enter__(self) -> "RemoteVerifier":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def committed(self) -> list[int]:
-        return list(self._committed)
-
-    # -- internals ----------------------------------------------------------------------------
-    def _with_reconnect(self, action):  # noqa: ANN001, ANN202
-        if self._closed:
-            raise VerifierUnavailableError("the link to the verifier is closed")
-        for attempt in range(self.retries + 1):
+                raise VerifierUnavailableError("the link to the verifier is closed")
             try:
                 if self._stream is None:
-                    self._connect(resync=bool(self._committed), patient=attempt > 0)
-                return action()
-            except VerifierUnavailableError as exc:
-                self._drop_stream()
-                retryable = not isinstance(exc, (UnauthenticatedError, VerifierBusyError, DeadlineExceededError))
-                if not retryable or attempt == self.retries:
-                    raise
-            except BaseException:
-                self._drop_stream()
+                    self._open(deadline)
+                if context is not None and not self._holds(context):
+                    self._roundtrip(wire.sync_message(context), deadline, "synced")
+                    self._held, self.server_len = context, len(context)
+                    self.stats.syncs += 1
+            except BaseException as exc:
+                self._failed(exc)
                 raise
-        raise AssertionError("unreachable")  # pragma: no cover
 
-    def _drop_stream(self) -> None:
-        if self._stream is not None:
-            self._stream.close(wait_s=0.2)
-            self._stream = None
+    def retarget(self, address: str) -> None:
+        """Talk to `address` from now on (a bundled verifier restarted on a new port)."""
+        with self._lock:
+            if address != self.address:
+                self.address = address
+                self._drop(channel=True)
 
-    def _connect(self, resync: bool, patient: bool = False) -> None:
-        """Open a new stream; `patient` waits (reconnect_timeout_s) for an unreachable verifier."""
-        self._stream = _Stream(self._stub, self._metadata, wait_for_ready=patient)
+    def drop(self) -> None:
+        """Forget the stream and the channel (the next call attaches afresh)."""
+        with self._lock:
+            self._drop(channel=True)
+
+    def close(self) -> None:
+        """End the stream politely (the server keeps its KV as a prefix cache) and the channel.
+        An operation in flight (a probe re-attaching) is cut short rather than waited for."""
+        if not self._lock.acquire(timeout=0.2):
+            stream = self._stream
+            if stream is not None:
+                stream.abandon()
+            self._lock.acquire()
+        try:
+            if not self._closed:
+                self._closed = True
+                self._drop(channel=True, gently=True)
+        finally:
+            self._lock.release()
+
+    @property
+    def attached(self) -> bool:
+        return self._stream is not None
+
+    # -- internals ------------------------------------------------------------------------------
+    def _holds(self, context: Sequence[int]) -> bool:
+        """Whether the server holds exactly `context`: the same context object (the caller's list,
+        which only grows between syncs) at the length the server last confirmed."""
+        return self._held is context and self.server_len == len(context)
+
+    def _open(self, deadline: Deadline) -> None:
+        if self._channel is None:
+            self._channel = make_channel(self.address, self._tls, server_name=self._server_name)
+            self._stub = pb_grpc.VerifierStub(self._channel)
+        self._stream = _Stream(self._stub, self._metadata, self.stats)
+        self._held, self.server_len = None, 0
+        reply = self._roundtrip(self._open_msg, deadline, "opened")
+        self.opened, self.reached = reply.opened, True
         self._streams_opened += 1
         if self._streams_opened > 1:
-            self.link_stats.reconnects += 1
-        if patient:
-            reply = self._roundtrip(self._open_msg, "opened", timeout_s=min(self.timeout_s, self.reconnect_timeout_s),
-                                    on_timeout=VerifierUnavailableError)
-        else:
-            reply = self._roundtrip(self._open_msg, "opened")
-        self.opened = reply.opened
-        if resync:
-            self._sync_now()
+            self.stats.reconnects += 1
 
-    def _sync_now(self) -> None:
-        self._roundtrip(wire.sync_message(self._committed), "synced")
-        self.link_stats.syncs += 1
-
-    def _verify_now(self, tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult:
-        request = wire.verify_message(tree, sampling, step, deadline_ms=self.deadline_ms,
-                                      context_length=len(self._committed))
-        for _ in range(3):
-            started = time.perf_counter()
-            reply = self._roundtrip(request, "verified", "resync_required")
-            wall = (time.perf_counter() - started) * 1000
-            if reply.WhichOneof("kind") == "resync_required":
-                self.link_stats.resyncs += 1
-                self._sync_now()
-                continue
-            verified = wire.verified_from_proto(reply.verified)
-            if verified.step != step:
-                raise VerifierUnavailableError(f"verifier answered step {verified.step} to step {step}")
-            s = self.link_stats
-            s.steps += 1
-            s.step_bytes_up += request.ByteSize()
-            s.step_bytes_down += reply.ByteSize()
-            s.wall_ms += wall
-            rtt = max(0.0, wall - verified.queue_ms - verified.compute_ms)
-            s.rtt_ms += rtt
-            s.recent_rtt_ms.append(rtt)
-            s.queue_ms += verified.queue_ms
-            s.compute_ms += verified.compute_ms
-            self._committed.extend(verified.tokens)
-            timings = {"queue_s": verified.queue_ms / 1000, "network_s": rtt / 1000,
-                       "bytes_up": request.ByteSize(), "bytes_down": reply.ByteSize()}
-            return VerifyResult(path=verified.path, tokens=verified.tokens, margins=verified.margins,
-                                compute_s=verified.compute_ms / 1000,
-                                **{k: v for k, v in timings.items() if k in _RESULT_FIELDS})
-        raise VerifierUnavailableError("the verifier keeps asking for a resync; giving up on this step")
-
-    def _roundtrip(self, message: pb.EdgeMessage, *expected: str, timeout_s: float | None = None,
-                   on_timeout: type[EdgespecError] = DeadlineExceededError) -> pb.VerifierMessage:
-        stream = self._stream
-        assert stream is not None
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        stream.send(message)
-        self.link_stats.bytes_up += message.ByteSize()
+    def _verify(self, context: Sequence[int], tree: TokenTree, sampling: SamplingParams, step: int,
+                deadline: Deadline) -> VerifyResult:
         try:
-            reply = stream.responses.get(timeout=timeout_s)
+            for _ in range(3):
+                request = wire.verify_message(tree, sampling, step, deadline_ms=max(1, int(deadline.remaining() * 1000)),
+                                              context_length=len(context))
+                started = time.perf_counter()
+                reply = self._roundtrip(request, deadline, "verified", "resync_required")
+                wall = (time.perf_counter() - started) * 1000
+                if reply.WhichOneof("kind") == "resync_required":  # the server lost our KV: Sync, retry
+                    self.stats.resyncs += 1
+                    self._held = None
+                    self.attach(context, deadline)
+                    continue
+                verified = wire.verified_from_proto(reply.verified)
+                if verified.step != step:
+                    raise VerifierUnavailableError(f"verifier answered step {verified.step} to step {step}")
+                check_answer(tree, verified.path, verified.tokens)
+                self._held, self.server_len = context, len(context) + len(verified.tokens)
+                return self._result(verified, request, reply, wall)
+            raise VerifierUnavailableError("the verifier keeps asking for a resync; giving up on this step")
+        except BaseException as exc:
+            self._failed(exc)
+            raise
+
+    def _result(self, verified: wire.Verified, request: pb.EdgeMessage, reply: pb.VerifierMessage,
+                wall: float) -> VerifyResult:
+        s = self.stats
+        s.steps += 1
+        s.step_bytes_up += request.ByteSize()
+        s.step_bytes_down += reply.ByteSize()
+        s.wall_ms += wall
+        rtt = max(0.0, wall - verified.queue_ms - verified.compute_ms)
+        s.rtt_ms += rtt
+        s.recent_rtt_ms.append(rtt)
+        s.queue_ms += verified.queue_ms
+        s.compute_ms += verified.compute_ms
+        timings = {"queue_s": verified.queue_ms / 1000, "network_s": rtt / 1000,
+                   "bytes_up": request.ByteSize(), "bytes_down": reply.ByteSize()}
+        return VerifyResult(path=verified.path, tokens=verified.tokens, margins=verified.margins,
+                            compute_s=verified.compute_ms / 1000,
+                            **{k: v for k, v in timings.items() if k in _RESULT_FIELDS})
+
+    def _roundtrip(self, message: pb.EdgeMessage, deadline: Deadline, *expected: str) -> pb.VerifierMessage:
+        stream = self._stream
+        if stream is None:
+            raise VerifierUnavailableError(f"no stream to the verifier at {self.address}")
+        stream.send(message)
+        self.stats.bytes_up += message.ByteSize()
+        try:
+            reply = stream.responses.get(timeout=deadline.remaining())
         except queue.Empty:
-            stream.call.cancel()
-            raise on_timeout(f"no answer from the verifier at {self.address} within {timeout_s:g} s") from None
+            self.stats.abandoned += 1
+            raise deadline.error(self.address) from None
         if isinstance(reply, grpc.RpcError):
             raise _error_of(reply) from None
         if reply is _END:
             raise VerifierUnavailableError(f"the verifier at {self.address} ended the session unexpectedly")
         if isinstance(reply, BaseException):
             raise VerifierUnavailableError(f"link to {self.address} failed: {reply}") from reply
-        self.link_stats.bytes_down += reply.ByteSize()
+        self.stats.bytes_down += reply.ByteSize()
         kind = reply.WhichOneof("kind")
         if kind not in expected:
             raise VerifierUnavailableError(f"verifier answered {kind!r}, expected {' or '.join(expected)}")
         return reply
+
+    def _failed(self, exc: BaseException) -> None:
+        """After any error the stream is over; after anything but a client error, the channel too."""
+        self._drop(channel=not isinstance(exc, CLIENT_ERRORS))
+
+    def _drop(self, channel: bool, gently: bool = False) -> None:
+        stream, self._stream = self._stream, None
+        self._held, self.server_len = None, 0
+        if stream is not None:
+            stream.close() if gently else stream.abandon()
+        if channel and self._channel is not None:
+            self._channel.close()
+            self._channel = self._stub = None
+
+
+class RemoteVerifier(Conversation):
+    """A link that owns its conversation, for callers without a decoder (tests, benchmarks):
+    `sync(committed)`, `verify(tree, sampling, step)`, `committed`. Connects at once, so a wrong
+    address, token, model or tokenizer fails here; a broken stream is re-attached (Open + Sync of
+    the committed context) by the next call."""
+
+    def __init__(self, address: str, token: str | None = None, tls: None | bool | str | Path = None, *,
+                 tokenizer_hash: str, model_id: str = "", timeout_s: float = 60.0, client_name: str = "edgespec",
+                 server_name: str | None = None) -> None:
+        link = Link(address, token, tls, tokenizer_hash=tokenizer_hash, model_id=model_id, client_name=client_name,
+                    server_name=server_name, timeout_s=timeout_s)
+        super().__init__(link)
+        self.link = link
+        try:
+            link.attach(None, Deadline(timeout_s, "connect"))
+        except BaseException:
+            link.close()
+            raise
+
+    @property
+    def link_stats(self) -> LinkStats:
+        return self.link.stats
+
+    @property
+    def opened(self) -> pb.Opened | None:
+        return self.link.opened

@@ -16,7 +16,7 @@ from edgespec.edge.decoder import Decoder, SessionStats, Verifier
 from edgespec.edge.drafting import Drafter, TreeShape
 from edgespec.edge.planner import LADDER, Planner
 from edgespec.runtime.llama import ContextConfig, LlamaModel, TextStream
-from edgespec.runtime.tree_verifier import LlamaTreeVerifier
+from edgespec.runtime.tree_verifier import LocalVerifier
 
 if TYPE_CHECKING:
     from edgespec.edge.embedded import EmbeddedVerifier
@@ -37,7 +37,7 @@ class EdgeSession:
                  verifier: str | Verifier | None = None, token: str | None = None, tls: None | bool | str = None,
                  local: bool = False, tree: TreeShape | None = None, n_ctx: int = 4096, fallback: bool = True,
                  deadline_s: float | None = None, probe_interval_s: float = 2.0, failure_threshold: int = 1,
-                 on_switch: Callable[[SwitchEvent], None] | None = None) -> None:
+                 on_switch: Callable[[SwitchEvent], None] | None = None, local_first: bool = False) -> None:
         """Draft with `draft`; verify against `target` (manifest names, role aliases or GGUF paths).
 
         Where verification runs:
@@ -58,6 +58,10 @@ class EdgeSession:
         this device, or with fallback=False, failures raise VerifierUnavailableError. A bundled
         verifier that dies is restarted by the probe (EmbeddedVerifier.ensure_running). Each switch
         is passed to `on_switch(SwitchEvent)`; state and counters are in stats.extra["failover"].
+        A verifier that cannot be reached at all when the session starts (wrong address, port, TLS
+        settings, token, model) raises here, naming the cause (VerifierConfigError, or the refusal's
+        own error): fallback never hides a configuration mistake. `local_first=True` starts
+        verifying locally instead, attaching the verifier once the probe reaches it.
         """
         if local and verifier is not None:
             raise InvalidRequestError("local=True and verifier=... exclude each other")
@@ -74,7 +78,7 @@ class EdgeSession:
                 raise TokenizerMismatchError(
                     f"draft {self.draft_model.path.name} and target {self.target_model.path.name} have different "
                     "token lists; speculative decoding needs a draft with the target's tokenizer")
-            verifier = LlamaTreeVerifier(self.target_model, config)
+            verifier = LocalVerifier(self.target_model, config)
         elif verifier is None or isinstance(verifier, str):
             from edgespec.edge.link import expected_model_id
 
@@ -100,7 +104,7 @@ class EdgeSession:
                     model_id=expected_model_id(target), client_name="edgespec EdgeSession", local=fallback_target,
                     no_local_reason=no_local, deadline_s=deadline_s, probe_interval_s=probe_interval_s,
                     failure_threshold=failure_threshold, on_switch=on_switch, stats=lambda: self.stats,
-                    revive=None if self._embedded is None else self._embedded.ensure_running)
+                    revive=None if self._embedded is None else self._embedded.ensure_running, local_first=local_first)
             except BaseException:
                 if self._embedded is not None:
                     self._embedded.stop()

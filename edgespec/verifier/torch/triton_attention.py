@@ -12,16 +12,51 @@ programs (flash-decoding); a second small kernel merges the splits with their lo
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _tile(q, KV, Tables, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale, kv_stride_kv, n_tables, T, W,
+          H_KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One key tile of online softmax: keys j0..j0+BLOCK_N-1 read through the block table."""
+    j = j0 + tl.arange(0, BLOCK_N)
+    key_ok = j < end
+    blk = tl.load(Tables + b * n_tables + j // BS, mask=key_ok, other=0)
+    slot = blk * BS + j % BS
+    k_ptr = KV + (slot * H_KV + h)[:, None] * D + d[None, :]
+    k = tl.load(k_ptr, mask=key_ok[:, None], other=0.0)
+    v = tl.load(k_ptr + kv_stride_kv, mask=key_ok[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    rel = j - ctx
+    in_tree = (rel >= 0) & (rel < T) & key_ok
+    rel = tl.where(in_tree, rel, 0)
+    word = tl.load(Bits + (b * T + t)[:, None] * W + (rel // 32)[None, :],
+                   mask=row_ok[:, None] & in_tree[None, :], other=0)
+    bit = (word >> (rel % 32)[None, :]) & 1
+    visible = ((j < ctx)[None, :] | (bit != 0) | (j == 0)[None, :]) & key_ok[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    m_i = m_new
+    return m_i, l_i, acc
+
+
 @triton.jit
 def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L,
                      sm_scale, kv_stride_kv, n_tables, T, G, W, MT,
-                     H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                     MAX_TILES: tl.constexpr, INTERPRET: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr,
+                     D: tl.constexpr, BS: tl.constexpr,
                      NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -47,30 +82,14 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp2 below
-    for j0 in range(start, end, BLOCK_N):
-        j = j0 + tl.arange(0, BLOCK_N)
-        key_ok = j < end
-        blk = tl.load(Tables + b * n_tables + j // BS, mask=key_ok, other=0)
-        slot = blk * BS + j % BS
-        k_ptr = KV + (slot * H_KV + h)[:, None] * D + d[None, :]
-        k = tl.load(k_ptr, mask=key_ok[:, None], other=0.0)
-        v = tl.load(k_ptr + kv_stride_kv, mask=key_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        rel = j - ctx
-        in_tree = (rel >= 0) & (rel < T) & key_ok
-        rel = tl.where(in_tree, rel, 0)
-        word = tl.load(Bits + (b * T + t)[:, None] * W + (rel // 32)[None, :],
-                       mask=row_ok[:, None] & in_tree[None, :], other=0)
-        bit = (word >> (rel % 32)[None, :]) & 1
-        visible = ((j < ctx)[None, :] | (bit != 0) | (j == 0)[None, :]) & key_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    if INTERPRET:  # the CPU interpreter (tests) loops only to a host int: the bucket's maximum
+        for it in range(0, MAX_TILES):
+            m_i, l_i, acc = _tile(q, KV, Tables, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, start + it * BLOCK_N,
+                                  end, qk_scale, kv_stride_kv, n_tables, T, W, H_KV, D, BS, BLOCK_N)
+    else:
+        for it in range(0, tl.cdiv(end - start, BLOCK_N)):
+            m_i, l_i, acc = _tile(q, KV, Tables, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, start + it * BLOCK_N,
+                                  end, qk_scale, kv_stride_kv, n_tables, T, W, H_KV, D, BS, BLOCK_N)
     base = (pid_bh * NSPLIT + pid_s) * MT + rows
     tl.store(M + base, m_i, mask=row_ok)
     tl.store(L + base, l_i, mask=row_ok)
@@ -109,10 +128,10 @@ def _tree_attn_merge(Acc, M, L, O, T, G, MT,
 
 
 def pack_ancestor_bits(anc: torch.Tensor) -> torch.Tensor:
-    """[B, T, T] bool -> [B, T, ceil(T/32)] int32 (bit j % 32 of word j // 32)."""
-    B, T, _ = anc.shape
-    W = -(-T // 32)
-    padded = torch.nn.functional.pad(anc, (0, W * 32 - T)).view(B, T, W, 32).to(torch.int64)
+    """[B, T, N] bool -> [B, T, ceil(N/32)] int32 (bit j % 32 of word j // 32)."""
+    B, T, N = anc.shape
+    W = -(-N // 32)
+    padded = torch.nn.functional.pad(anc, (0, W * 32 - N)).reshape(B, T, W, 32).to(torch.int64)
     words = (padded << torch.arange(32, device=anc.device, dtype=torch.int64)).sum(-1)
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
@@ -157,7 +176,8 @@ class TritonPagedAttention:
         _tree_attn_split[(B * Hkv, ns, m_tiles)](
             q, cache, self.tables, self.ctx, self.bits, acc, m, l_,
             1.0 / math.sqrt(D), cache.stride(0), self.tables.shape[1], T, G, W, MT,
-            H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N,
+            MAX_TILES=triton.cdiv(triton.cdiv(self.max_keys + T, self.BLOCK_N), ns) if INTERPRET else 0,
+            INTERPRET=INTERPRET, H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N,
             num_warps=4, num_stages=2)
         out = torch.empty_like(q)
         block_r = 32

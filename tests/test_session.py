@@ -119,14 +119,16 @@ def test_cli_mismatched_tokenizers(smol_path, qwen_paths):
     assert r.returncode == 2 and "token lists" in r.stderr
 
 
-def test_cli_unreachable_verifier_falls_back_or_fails_clearly(smol_path):
+def test_cli_unreachable_verifier_fails_clearly_unless_local_first(smol_path):
+    """A verifier never reached is a configuration error (more cases: tests/test_config_errors.py)."""
     common = ("run", "Say hi.", "--draft", str(smol_path), "--target", str(smol_path), "--max-tokens", "8",
               "--verifier", "127.0.0.1:1", "--deadline", "2")
-    r = cli(*common)
+    r = cli(*common, "--local-first")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() and "verifying local" in r.stderr
-    r = cli(*common, "--no-fallback")
-    assert r.returncode == 2 and "no local fallback" in r.stderr
+    for extra in ((), ("--no-fallback",)):
+        r = cli(*common, *extra)
+        assert r.returncode == 2 and "connection refused" in r.stderr and not r.stdout.strip(), r.stderr
 
 
 def test_tree_shape_can_change_within_the_sessions_size(smol_path, smol_model, sessions):

@@ -57,7 +57,7 @@ def unreached(address: str, tls: None | bool | str | Path, exc: BaseException) -
         cause = "the host name does not resolve"
     elif "WRONG_VERSION_NUMBER" in text and tls:
         cause = "the TLS handshake failed: the verifier does not speak TLS (leave out --tls-ca)"
-    elif "CERTIFICATE_VERIFY_FAILED" in text:
+    elif "CERTIFICATE_VERIFY_FAILED" in text or "certificate signature failure" in text:
         cause = ("its TLS certificate is not signed by the CA trusted here (--tls-ca), or the host name "
                  "does not match it")
     elif "handshake" in text.lower():
@@ -66,5 +66,5 @@ def unreached(address: str, tls: None | bool | str | Path, exc: BaseException) -
         cause = "it closed the connection at once: it probably serves TLS (pass --tls-ca CA.pem)"
     else:
         cause = "it could not be reached"
-    return VerifierConfigError(f"cannot use the verifier at {address}: {cause}. It never answered, so this is "
-                               f"not hidden by verifying locally. ({type(exc).__name__}: {exc})")
+    return VerifierConfigError(f"cannot use the verifier at {address}: {cause}. It never answered, so the local "
+                               f"fallback does not stand in for it. ({type(exc).__name__}: {exc})")

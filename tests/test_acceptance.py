@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from edgespec.common.acceptance import accept_greedy, draw_without_replacement, resolve_siblings
+from edgespec.common.acceptance import accept_greedy, accept_target_sample, draw_without_replacement, resolve_siblings
 from edgespec.common.rng import Purpose, generator
-from edgespec.common.sampling import SamplingParams, dequantize, probabilities, quantize_draft
+from edgespec.common.sampling import SamplingParams, dequantize, probabilities, quantize_draft, sample_inverse_cdf
 from edgespec.common.tree import TokenTree
 
 DRAWS = 20_000
@@ -102,3 +102,25 @@ def test_sampling_transforms():
     assert p[0] == 1.0
     tok, w = quantize_draft(np.array([4, 9]), np.array([0.999999, 0.000001]))
     assert w.min() >= 1 and abs(dequantize(w).sum() - 1) < 1e-12
+
+
+def test_inverse_cdf_sampling_reaches_exactly_the_support():
+    p = dist(0, 3, 0, 1, 0)
+    assert sample_inverse_cdf(p, 0.0) == 1
+    assert sample_inverse_cdf(p, 0.7499) == 1
+    assert sample_inverse_cdf(p, 0.75) == 3
+    assert sample_inverse_cdf(p, 1.0 - 1e-17) == 3      # never a zero-probability tail token
+    rng = np.random.default_rng(5)
+    counts = np.bincount([sample_inverse_cdf(p, u) for u in rng.random(DRAWS)], minlength=p.size)
+    assert chi2_pvalue(counts.astype(float), p) > 1e-3
+
+
+def test_target_sample_rule_emits_p_from_a_deterministic_top_k_tree():
+    """The target-sample rule needs no q: children picked top-k by the draft are fine."""
+    p = dist(5, 1, 3, 0, 1)
+    tree = TokenTree(tokens=np.array([9, 0, 2]), parents=np.array([-1, 0, 0]))  # the two likeliest
+    counts = np.zeros(p.size)
+    for step in range(DRAWS):
+        acc = accept_target_sample(tree, lambda node: p if node == 0 else dist(1, 1, 1, 1, 1), seed=3, step=step)
+        counts[tree.tokens[acc.path[0]] if acc.path else acc.next_token] += 1
+    assert chi2_pvalue(counts, p) > 1e-3

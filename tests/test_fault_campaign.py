@@ -42,7 +42,7 @@ from failover_helpers import assert_targets_choices  # noqa: E402
 pytestmark = pytest.mark.netns
 
 N_CTX = 2048
-SHAPE = (6, 3, 2, 2)  # TreeShape(budget, max_depth, top_k, width)
+SHAPE = (6, 3, 2, 2)  # TreeShape(budget, max_depth, branching, width)
 MAX_TOKENS = 200
 DEADLINE_S = 1.0
 PROBE_S = 0.3

@@ -6,6 +6,9 @@ Prompts: a per-category sample of Spec-Bench (../shared/bench/spec_bench_questio
 machine with one thread each, so the figures to compare are tau and ratios measured in one run.
 
   python tools/bench_local.py --per-category 1 --humaneval 3 --max-tokens 64 --markdown
+  python tools/bench_local.py --configs tree16 --temperatures 0.7,1.0 --rules target-sample,rejection --markdown
+
+Sampled rows are measured once per exact acceptance rule (--rules; greedy has no rule).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from edgespec.common.sampling import SamplingParams
+from edgespec.common.sampling import AcceptanceRule, SamplingParams
 from edgespec.edge.decoder import SessionStats
 from edgespec.edge.drafting import TreeShape
 from edgespec.edge.planner import LADDER
@@ -29,9 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {
     "target": TreeShape.target_only(),
     "chain4": TreeShape.chain(4),
-    "tree16": TreeShape(budget=16, max_depth=6, top_k=4, width=4),
-    "tree32": TreeShape(budget=32, max_depth=8, top_k=4, width=6),
-    "tree64": TreeShape(budget=64, max_depth=10, top_k=6, width=8),
+    "tree16": TreeShape(budget=16, max_depth=6, branching=4, width=4),
+    "tree32": TreeShape(budget=32, max_depth=8, branching=4, width=6),
+    "tree64": TreeShape(budget=64, max_depth=10, branching=6, width=8),
     "adaptive": None,   # the planner (edge/planner.py) picks each step's shape, target-only included
 }
 
@@ -68,6 +71,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--temperatures", default="0,0.7")
+    ap.add_argument("--rules", default=AcceptanceRule.TARGET_SAMPLE.value,
+                    help="acceptance rules for T > 0, comma-separated (target-sample, rejection)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write all cells as JSON here")
     ap.add_argument("--markdown", action="store_true", help="print a markdown table for docs/BENCHMARKS.md")
@@ -78,40 +83,44 @@ def main() -> int:
     shapes = [s for n in names for s in ((CONFIGS[n],) if CONFIGS[n] is not None else LADDER)]
     largest = max(shapes, key=lambda s: tree_nodes_needed([s]))
     session = EdgeSession(args.draft, args.target, local=True, tree=largest, n_ctx=2048)
-    cells: dict[tuple[float, str, str], SessionStats] = defaultdict(SessionStats)
-    for temperature in [float(t) for t in args.temperatures.split(",")]:
+    cells: dict[tuple[float, str, str, str], SessionStats] = defaultdict(SessionStats)
+    runs = [(float(t), rule) for t in args.temperatures.split(",")
+            for rule in (["-"] if float(t) == 0 else args.rules.split(","))]
+    for temperature, rule in runs:
         for name in names:
             session.tree_shape = CONFIGS[name]
             for i, (category, prompt) in enumerate(prompts):
                 session.reset_stats()
-                sampling = SamplingParams(temperature=temperature, seed=args.seed + i)
+                sampling = SamplingParams(temperature=temperature, seed=args.seed + i,
+                                          rule=AcceptanceRule.TARGET_SAMPLE if rule == "-" else rule)
                 tokens = session.draft_model.chat_tokens([{"role": "user", "content": prompt}])
                 for _ in session.generate_tokens(tokens, args.max_tokens, sampling):
                     pass
                 s = session.stats
                 for key in (category, "overall"):
-                    cells[(temperature, name, key)].add(s)
-                print(f"T={temperature} {name:7s} {category:15s} tau={s.tau:.2f} {s.tokens_per_second:.2f} tok/s "
+                    cells[(temperature, rule, name, key)].add(s)
+                print(f"T={temperature} {rule} {name:7s} {category:15s} tau={s.tau:.2f} {s.tokens_per_second:.2f} tok/s "
                       f"trees {s.shapes}",
                       file=sys.stderr, flush=True)
     session.close()
 
     if args.json:
-        args.json.write_text(json.dumps([{"temperature": t, "config": n, "category": c, "tau": v.tau,
+        args.json.write_text(json.dumps([{"temperature": t, "rule": r, "config": n, "category": c, "tau": v.tau,
                                           "tok_s": v.tokens_per_second, "shapes": v.shapes,
                                           **{k: getattr(v, k) for k in v.COUNTERS}}
-                                         for (t, n, c), v in cells.items()], indent=1))
+                                         for (t, r, n, c), v in cells.items()], indent=1))
     if args.markdown:
         print(f"\nMachine: {machine()}; models: draft={args.draft}, target={args.target}; "
               f"{len(prompts)} prompts, max {args.max_tokens} new tokens, 1 thread per model.\n")
-        print("| T | category | config | τ (incl. bonus) | accepted/drafted | tok/s | draft ms/step | verify ms/step | speed vs target-only |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        categories = sorted({c for (_, _, c) in cells}, key=lambda c: (c == "overall", c))
-        for (t, n, c), v in sorted(cells.items(), key=lambda kv: (kv[0][0], categories.index(kv[0][2]), names.index(kv[0][1]))):
-            base = cells.get((t, "target", c))
+        print("| T | rule | category | config | τ (incl. bonus) | accepted/drafted | tok/s | draft ms/step | verify ms/step | speed vs target-only |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        categories = sorted({c for (*_, c) in cells}, key=lambda c: (c == "overall", c))
+        for (t, r, n, c), v in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1], categories.index(kv[0][3]),
+                                                                    names.index(kv[0][2]))):
+            base = cells.get((t, r, "target", c))
             ratio = f"{v.tokens_per_second / base.tokens_per_second:.2f}×" if base and base.tokens_per_second else "—"
             acc = f"{v.accepted / v.drafted:.2f}" if v.drafted else "—"
-            print(f"| {t:g} | {c} | {n} | {v.tau:.2f} | {acc} | {v.tokens_per_second:.2f} | "
+            print(f"| {t:g} | {r} | {c} | {n} | {v.tau:.2f} | {acc} | {v.tokens_per_second:.2f} | "
                   f"{1000 * v.draft_seconds / max(v.steps, 1):.0f} | {1000 * v.verify_seconds / max(v.steps, 1):.0f} | {ratio} |")
     return 0
 

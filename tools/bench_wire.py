@@ -5,7 +5,7 @@ Two measurements, both on real messages:
 
 1. Bytes per step on the wire. Trees are drafted by the real draft model (Qwen2.5-Coder 0.5B by
    default) for each size, greedy (no q) and sampled (temperature 0.7: every node carries a row of
-   the draft distribution q, k = the shape's top_k), and serialised with edgespec.common.wire
+   the draft distribution q, k = the shape's branching), and serialised with edgespec.common.wire
    exactly as RemoteVerifier sends them (`Verify` inside `EdgeMessage`). Sizes are protobuf bytes;
    gRPC/HTTP/2/TCP framing is not included (tools/bench_link.py measures that through a relay).
 2. Verifier step latency. A real verifier process (`python -m edgespec verifier serve --model
@@ -41,12 +41,12 @@ if str(REPO) not in sys.path:
 # The drafting shape per tree size (nodes incl. root): budget = size - 1 drafted nodes. The
 # smaller ones are the planner's ladder shapes; 128 is the verifier's default --max-nodes.
 SHAPES = {
-    4: dict(max_depth=3, top_k=2, width=2),
-    8: dict(max_depth=5, top_k=2, width=2),
-    16: dict(max_depth=6, top_k=4, width=4),
-    32: dict(max_depth=8, top_k=4, width=6),
-    64: dict(max_depth=10, top_k=6, width=8),
-    128: dict(max_depth=12, top_k=8, width=10),
+    4: dict(max_depth=3, branching=2, width=2),
+    8: dict(max_depth=5, branching=2, width=2),
+    16: dict(max_depth=6, branching=4, width=4),
+    32: dict(max_depth=8, branching=4, width=6),
+    64: dict(max_depth=10, branching=6, width=8),
+    128: dict(max_depth=12, branching=8, width=10),
 }
 
 
@@ -120,7 +120,7 @@ def draft_trees(draft_path: Path, prompts: list[list[int]], sizes: list[int], se
                     if size == 1:
                         trees[(size, mode, pi)] = TokenTree.chain(prompt[-1], [])
                         continue
-                    shape = TreeShape(budget=size - 1, **SHAPES.get(size, dict(max_depth=8, top_k=4, width=6)))
+                    shape = TreeShape(budget=size - 1, **SHAPES.get(size, dict(max_depth=8, branching=4, width=6)))
                     trees[(size, mode, pi)] = drafter.grow(prompt, shape, sampling, step=0).tree
     finally:
         drafter.close()

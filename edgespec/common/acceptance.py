@@ -1,12 +1,19 @@
 """Lossless acceptance of a token tree (greedy and sampled). Pure functions of logits/probabilities.
 
-Sampled mode is multi-draft speculative sampling (SpecInfer; Chen et al.'s residual rule) with
-children drawn *without replacement* from the draft's sparse q (recursive rejection sampling,
-Jeon et al. 2024): the i-th sibling was drawn from q with the earlier siblings removed and
-renormalised (q_i), so it is accepted with min(1, r(x)/q_i(x)) and on rejection the target's
-residual becomes r <- norm(max(0, r - q_i)). Each try is a standard speculative-sampling step for
-target r and proposal q_i, hence the emitted token is distributed exactly as the target's p.
-Drafts therefore never repeat a sibling, and pruning must keep a prefix of each node's draw order.
+Greedy: follow the child equal to the target's argmax; emit the path plus the argmax after it.
+
+Sampled mode has two exact rules, chosen by `SamplingParams.rule`:
+- target-sample (default): at each node the verifier draws the target's own token from p with its
+  own Philox uniform; if a child carries it, descend, else it is the last emitted token. The
+  emitted sequence is a plain sample from the target by construction, whatever the tree was, so
+  any drafting, pruning or planner sizing is allowed and no q travels.
+- rejection: multi-draft speculative sampling (SpecInfer; Chen et al.'s residual rule) with
+  children drawn *without replacement* from the draft's sparse q (recursive rejection sampling,
+  Jeon et al. 2024): the i-th sibling was drawn from q with the earlier siblings removed and
+  renormalised (q_i), so it is accepted with min(1, r(x)/q_i(x)) and on rejection the target's
+  residual becomes r <- norm(max(0, r - q_i)). Exact only if the number of children of every node
+  was fixed before they were drawn, and no child was dropped afterwards because of its value:
+  the drafter keeps whole draw-order prefixes whose lengths depend on pre-draw information only.
 """
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ import numpy as np
 
 from edgespec.common.errors import ContextOverflowError, InvalidTreeError
 from edgespec.common.rng import Purpose, generator
-from edgespec.common.sampling import SamplingParams, probabilities, top2_margin
+from edgespec.common.sampling import AcceptanceRule, SamplingParams, probabilities, sample_inverse_cdf, top2_margin
 from edgespec.common.tree import TokenTree
 
 
@@ -85,7 +92,26 @@ def accept_greedy(tree: TokenTree, target_argmax: Sequence[int]) -> Acceptance:
         node = nxt
 
 
-def accept_sampled(tree: TokenTree, target_probs: Callable[[int], np.ndarray], seed: int, step: int) -> Acceptance:
+def target_sample_uniform(seed: int, step: int, node: int) -> float:
+    """The one uniform the target-sample rule uses at (step, node): any backend can reproduce it."""
+    return float(generator(seed, step, node, Purpose.RESIDUAL).random())
+
+
+def accept_target_sample(tree: TokenTree, target_probs: Callable[[int], np.ndarray], seed: int,
+                         step: int) -> Acceptance:
+    """Sample the target's token at each node (inverse CDF); descend while a child carries it."""
+    kids = tree.children()
+    node, path = 0, []
+    while True:
+        token = sample_inverse_cdf(target_probs(node), target_sample_uniform(seed, step, node))
+        nxt = next((c for c in kids[node] if tree.tokens[c] == token), None)
+        if nxt is None:
+            return Acceptance(path, token)
+        path.append(nxt)
+        node = nxt
+
+
+def accept_rejection(tree: TokenTree, target_probs: Callable[[int], np.ndarray], seed: int, step: int) -> Acceptance:
     """Walk the tree with `resolve_siblings`; random numbers keyed by (seed, step, node)."""
     kids = tree.children()
     node, path = 0, []
@@ -115,7 +141,7 @@ def check_context(committed: Sequence[int], vocab_size: int, n_ctx: int, max_dep
 def check_tree(tree: TokenTree, committed: Sequence[int], vocab_size: int, max_nodes: int, max_depth: int,
                sampling: SamplingParams) -> None:
     """Raise InvalidTreeError unless `tree` may be verified after `committed` (its root is the last token)."""
-    tree.validate(vocab_size, max_nodes=max_nodes, max_depth=max_depth, require_q=not sampling.greedy)
+    tree.validate(vocab_size, max_nodes=max_nodes, max_depth=max_depth, require_q=sampling.needs_q)
     if not committed or tree.tokens[0] != committed[-1]:
         raise InvalidTreeError(f"tree root {int(tree.tokens[0])} is not the last committed token")
 
@@ -131,5 +157,6 @@ def accept_logits(tree: TokenTree, sampling: SamplingParams, step: int, argmax: 
     if sampling.greedy:
         acc = accept_greedy(tree, argmax)
     else:
-        acc = accept_sampled(tree, lambda node: probabilities(row(node), sampling), sampling.seed, step)
+        accept = accept_rejection if sampling.rule is AcceptanceRule.REJECTION else accept_target_sample
+        acc = accept(tree, lambda node: probabilities(row(node), sampling), sampling.seed, step)
     return acc, [top2_margin(row(n)) for n in (0, *acc.path)]

@@ -5,6 +5,7 @@ place that turns logits into probabilities (temperature, top-k, top-p) and quant
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,14 +15,34 @@ from edgespec.common.errors import InvalidRequestError
 Q_SCALE = 65535  # draft probabilities travel as uint16 fractions of this scale
 
 
+class AcceptanceRule(str, enum.Enum):
+    """How a sampled tree is verified (common/acceptance.py); both yield exactly the target's p.
+
+    TARGET_SAMPLE: the verifier samples the target's token at each node and descends if a child
+    carries it. Valid for ANY tree (deterministic top-k children, pruned, planner-sized), needs no
+    q on the wire. REJECTION: recursive rejection sampling over children drawn without
+    replacement from the draft's q; higher acceptance per child, but only valid when each node's
+    number of children was fixed before its children were drawn and nothing was pruned by value
+    afterwards (edge/drafting.py keeps whole draw-order prefixes for this), and q travels.
+    """
+
+    TARGET_SAMPLE = "target-sample"
+    REJECTION = "rejection"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1 mean no truncation."""
+    """temperature 0 means greedy; top_k 0 and top_p 1 mean no truncation.
+
+    top_k/top_p truncate the *target's* (and the draft's) distribution; they are unrelated to the
+    tree's branching factor (edge/drafting.TreeShape.branching).
+    """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    rule: AcceptanceRule = AcceptanceRule.TARGET_SAMPLE
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):
@@ -30,10 +51,20 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        try:
+            object.__setattr__(self, "rule", AcceptanceRule(self.rule))
+        except ValueError:
+            choices = ", ".join(r.value for r in AcceptanceRule)
+            raise InvalidRequestError(f"acceptance rule must be one of {choices}, got {self.rule!r}") from None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def needs_q(self) -> bool:
+        """Whether trees must carry the draft's q (only the sampled rejection rule reads it)."""
+        return not self.greedy and self.rule is AcceptanceRule.REJECTION
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -54,6 +85,16 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         p = np.where(mask, p, 0.0)
         p /= p.sum()
     return p
+
+
+def sample_inverse_cdf(p: np.ndarray, u: float) -> int:
+    """The token at which the cumulative p (token-id order) first exceeds u in [0, 1).
+
+    One uniform per decision, so a GPU backend can reproduce the draw from the same u.
+    """
+    cdf = np.cumsum(p)
+    token = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return min(token, int(np.flatnonzero(p)[-1]))
 
 
 def top2_margin(logits: np.ndarray) -> float:

@@ -32,7 +32,7 @@ from edgespec.common.errors import (
     TokenizerMismatchError,
     VerifierUnavailableError,
 )
-from edgespec.common.sampling import SamplingParams
+from edgespec.common.sampling import AcceptanceRule, SamplingParams
 from edgespec.common.tree import TokenTree
 from edgespec.v1 import edgespec_pb2 as pb
 
@@ -165,16 +165,23 @@ def tokens_from_bytes(data: bytes, field: str = "tokens") -> list[int]:
 
 
 # -- sampling ---------------------------------------------------------------------------------
+_RULE_TO_WIRE = {AcceptanceRule.TARGET_SAMPLE: pb.ACCEPTANCE_RULE_TARGET_SAMPLE,
+                 AcceptanceRule.REJECTION: pb.ACCEPTANCE_RULE_REJECTION}
+_RULE_FROM_WIRE = {v: k for k, v in _RULE_TO_WIRE.items()}
+
+
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                             seed=params.seed & ((1 << 64) - 1))
+                             seed=params.seed & ((1 << 64) - 1), rule=_RULE_TO_WIRE[params.rule])
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """SamplingParams from the wire; InvalidRequestError for out-of-range values."""
     top_p = msg.top_p if msg.top_p != 0 else 1.0
+    if msg.rule not in _RULE_FROM_WIRE:
+        raise InvalidRequestError(f"unknown acceptance rule {msg.rule}")
     return SamplingParams(temperature=float(msg.temperature), top_k=int(msg.top_k), top_p=float(top_p),
-                          seed=int(msg.seed))
+                          seed=int(msg.seed), rule=_RULE_FROM_WIRE[msg.rule])
 
 
 # -- trees ------------------------------------------------------------------------------------

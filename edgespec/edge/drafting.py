@@ -2,17 +2,21 @@
 
 Each depth expands the `width` frontier nodes with the highest path probability in ONE llama_decode
 (one fresh KV sequence per node, seeded with a copy of its parent's sequence); afterwards the best
-`budget` nodes overall are kept. Path probability never increases along a path, and in sampled
-mode we also make it non-increasing along each node's draw order, so "best N by score" always
-yields a valid tree whose sibling sets are prefixes of the draw order (which the sampled
-acceptance rule needs, see common/acceptance.py).
+`budget` nodes are kept (`selection_order`). How children are chosen depends on what the verifier
+needs to stay exact (common/acceptance.py):
+- greedy and the target-sample rule: the `branching` most probable tokens, by decreasing draft
+  probability; any subset may be kept, so the best nodes by path probability are kept.
+- the rejection rule: each expanded node draws min(branching, support) children without
+  replacement from its quantised q, a count fixed before drawing; pruning keeps, per node, a
+  prefix of the draw order whose length depends only on information available before that
+  node's children were drawn (its parent's path probability and the nodes ranked above it).
 """
 from __future__ import annotations
 
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -34,7 +38,7 @@ class TreeShape:
 
     budget: int = 16
     max_depth: int = 6
-    top_k: int = 4          # children considered per node; also the draft's q support when sampling
+    branching: int = 4      # children per expanded node (and the draft's q support under the rejection rule)
     width: int = 4          # frontier nodes expanded per depth (one decode per depth)
     min_prob: float = 0.0   # drop nodes whose path probability falls below this
 
@@ -48,16 +52,16 @@ class TreeShape:
         """Short name for stats: "target-only", "chain4", "tree16"."""
         if self.budget == 0:
             return "target-only"
-        return f"chain{self.budget}" if self.width == 1 and self.top_k == 1 else f"tree{self.budget}"
+        return f"chain{self.budget}" if self.width == 1 and self.branching == 1 else f"tree{self.budget}"
 
     @classmethod
     def chain(cls, k: int) -> "TreeShape":
         """Classic chain speculation with k drafted tokens."""
-        return cls(budget=k, max_depth=k, top_k=1, width=1)
+        return cls(budget=k, max_depth=k, branching=1, width=1)
 
     def __post_init__(self) -> None:
-        if self.budget < 0 or min(self.max_depth, self.top_k, self.width) < 1:
-            raise ValueError(f"tree shape needs budget >= 0 and max_depth, top_k, width >= 1: {self}")
+        if self.budget < 0 or min(self.max_depth, self.branching, self.width) < 1:
+            raise ValueError(f"tree shape needs budget >= 0 and max_depth, branching, width >= 1: {self}")
 
 
 @dataclass
@@ -71,14 +75,29 @@ class _Node:
     q_weights: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint16))
 
 
-def best_nodes(scores: np.ndarray | list[float], n: int) -> list[int]:
-    """Indices (ascending, root 0 always kept) of the n best non-root nodes by (score desc, index).
+def selection_order(scores: np.ndarray | list[float], parents: np.ndarray | list[int],
+                    prefix_groups: bool = False) -> list[int]:
+    """Non-root nodes in the order they are kept: the n best nodes are the first n of it.
 
-    Scores never increase from parent to child nor along a node's draw order, and parents have
-    smaller indices, so the result is always a valid tree with prefix-closed sibling sets.
+    Default: by (score desc, index). A child's score never exceeds its parent's and parents have
+    smaller indices, so every prefix is a tree.
+    prefix_groups (the rejection rule): sibling groups are visited by their parent's (score desc,
+    index) and each contributes its children in draw order. Whether a child is kept then depends
+    on its parent's score and the groups ranked before it (never its descendants: their scores are
+    no higher and their indices larger), not on its own or its siblings' drawn values.
     """
-    ranked = sorted(range(1, len(scores)), key=lambda i: (-scores[i], i))[:n]
-    return [0, *sorted(ranked)]
+    n = len(scores)
+    if not prefix_groups:
+        return sorted(range(1, n), key=lambda i: (-scores[i], i))
+    kids: list[list[int]] = [[] for _ in range(n)]
+    for i in range(1, n):
+        kids[int(parents[i])].append(i)
+    kept, order = {0}, []
+    for parent in sorted(range(n), key=lambda i: (-scores[i], i)):
+        if parent in kept:
+            order += kids[parent]
+            kept.update(kids[parent])
+    return order
 
 
 @dataclass
@@ -89,23 +108,42 @@ class Draft:
     seconds: float = 0.0
     decodes: int = 0
     shape: str = ""          # TreeShape.label of the shape it was drafted with
+    prefix_groups: bool = False  # drawn for the rejection rule: prune only as selection_order allows
+
+    def order(self) -> list[int]:
+        """Non-root nodes in the order pruning keeps them (see selection_order)."""
+        return selection_order(self.scores, self.tree.parents, self.prefix_groups)
 
     def pruned(self, n: int) -> "Draft":
         """The same draft cut to its n best nodes (for a smaller step than was drafted)."""
-        keep = best_nodes(self.scores, n)
+        keep = [0, *sorted(self.order()[:n])]
         index = {old: new for new, old in enumerate(keep)}
         t = self.tree
         tree = TokenTree(tokens=t.tokens[keep], parents=np.array([index.get(int(t.parents[i]), -1) for i in keep]),
                          q_tokens=t.q_tokens[keep], q_weights=t.q_weights[keep])
-        return Draft(tree, [self.node_seq[i] for i in keep], self.scores[keep], self.seconds, self.decodes, self.shape)
+        return Draft(tree, [self.node_seq[i] for i in keep], self.scores[keep], self.seconds, self.decodes, self.shape,
+                     self.prefix_groups)
+
+
+class DraftContext(Protocol):
+    """What the drafter needs from a model's KV context (runtime.llama.TreeContext; tests use tables)."""
+
+    n_seq_max: int
+
+    def sync(self, tokens: list[int]) -> np.ndarray: ...
+    def decode_frontier(self, tokens: list[int], parent_seqs: list[int], depth: int, first_seq: int) -> np.ndarray: ...
+    def adopt_branch(self, seq: int, new_tokens: list[int]) -> None: ...
+    def drop_branches(self) -> None: ...
+    def close(self) -> None: ...
 
 
 class Drafter:
     """Owns the draft model's KV cache for one conversation."""
 
-    def __init__(self, model: LlamaModel, config: ContextConfig = ContextConfig()) -> None:
+    def __init__(self, model: LlamaModel, config: ContextConfig = ContextConfig(),
+                 context: DraftContext | None = None) -> None:
         self.model = model
-        self.ctx = TreeContext(model, config)
+        self.ctx = context if context is not None else TreeContext(model, config)
 
     def close(self) -> None:
         self.ctx.close()
@@ -140,7 +178,7 @@ class Drafter:
                 nodes[i].seq = next_seq + row
                 frontier += self._expand(nodes, i, logits[row], shape, sampling, step)
             next_seq += len(pick)
-        draft = self._select(nodes, shape.budget, sampling.greedy)
+        draft = self._as_draft(nodes, sampling.needs_q).pruned(shape.budget)
         draft.seconds, draft.decodes = time.perf_counter() - started, decodes
         return draft
 
@@ -155,46 +193,50 @@ class Drafter:
     # -- internals ----------------------------------------------------------------------------
     def _expand(self, nodes: list[_Node], parent: int, logits: np.ndarray, shape: TreeShape,
                 sampling: SamplingParams, step: int) -> list[int]:
-        """Add the children of `parent` in draw order; returns their indices."""
-        if sampling.greedy:
-            z = logits.astype(np.float64) - logits.max()
-            probs = np.exp(z) / np.exp(z).sum()
-            order = np.argsort(-probs, kind="stable")[: shape.top_k]
-            child_tokens, child_q = order, probs[order]
-        else:
+        """Add the children of `parent` (see the module docstring); returns their indices."""
+        if sampling.needs_q:
             p = probabilities(logits, sampling)
-            support = np.argsort(-p, kind="stable")[: shape.top_k]
+            support = np.argsort(-p, kind="stable")[: shape.branching]
             support = support[p[support] > 0]
             q_tokens, q_weights = quantize_draft(support, p[support])
             q = dequantize(q_weights)
             nodes[parent].q_tokens, nodes[parent].q_weights = q_tokens, q_weights
             drawn = draw_without_replacement(q, q.size, generator(sampling.seed, step, parent, Purpose.DRAFT))
             child_tokens, child_q = q_tokens[drawn], q[drawn]
-        added, score = [], nodes[parent].score
+        else:  # greedy / target-sample: the most probable tokens, deterministically
+            probs = probabilities(logits, sampling) if not sampling.greedy else _softmax(logits)
+            child_tokens = np.argsort(-probs, kind="stable")[: shape.branching]
+            child_tokens = child_tokens[probs[child_tokens] > 0]
+            child_q = probs[child_tokens]
+        added = []
         for token, q in zip(child_tokens.tolist(), child_q.tolist()):
-            score = min(score, nodes[parent].score * q)  # non-increasing along the draw order
-            nodes.append(_Node(token=int(token), parent=parent, depth=nodes[parent].depth + 1, score=score))
+            nodes.append(_Node(token=int(token), parent=parent, depth=nodes[parent].depth + 1,
+                               score=nodes[parent].score * q))
             added.append(len(nodes) - 1)
         return added
 
     @staticmethod
     def _cutoff(nodes: list[_Node], budget: int) -> float:
-        """Score of the budget-th best node so far: anything below can never be selected."""
+        """Score of the budget-th best node so far: a frontier node below it is not expanded."""
         scores = sorted((n.score for n in nodes[1:]), reverse=True)
         return scores[budget - 1] if len(scores) >= budget else 0.0
 
     @staticmethod
-    def _select(nodes: list[_Node], budget: int, greedy: bool) -> Draft:
-        keep = best_nodes([n.score for n in nodes], budget)
-        new_index = {old: new for new, old in enumerate(keep)}
-        k = 0 if greedy else max((nodes[i].q_tokens.size for i in keep), default=0)
-        q_tokens = np.full((len(keep), k), -1, np.int32)
-        q_weights = np.zeros((len(keep), k), np.uint16)
-        for new, old in enumerate(keep):
-            m = min(k, nodes[old].q_tokens.size)
-            q_tokens[new, :m] = nodes[old].q_tokens[:m]
-            q_weights[new, :m] = nodes[old].q_weights[:m]
-        tree = TokenTree(tokens=np.array([nodes[i].token for i in keep], np.int32),
-                         parents=np.array([new_index.get(nodes[i].parent, -1) for i in keep], np.int32),
-                         q_tokens=q_tokens, q_weights=q_weights)
-        return Draft(tree=tree, node_seq=[nodes[i].seq for i in keep], scores=np.array([nodes[i].score for i in keep]))
+    def _as_draft(nodes: list[_Node], with_q: bool) -> Draft:
+        """Every grown node as a Draft (to be pruned to the budget)."""
+        k = max((n.q_tokens.size for n in nodes), default=0) if with_q else 0
+        q_tokens = np.full((len(nodes), k), -1, np.int32)
+        q_weights = np.zeros((len(nodes), k), np.uint16)
+        for i, node in enumerate(nodes if k else ()):
+            q_tokens[i, :node.q_tokens.size] = node.q_tokens
+            q_weights[i, :node.q_weights.size] = node.q_weights
+        tree = TokenTree(tokens=np.array([n.token for n in nodes], np.int32),
+                         parents=np.array([n.parent for n in nodes], np.int32), q_tokens=q_tokens, q_weights=q_weights)
+        return Draft(tree=tree, node_seq=[n.seq for n in nodes], scores=np.array([n.score for n in nodes]),
+                     prefix_groups=with_q)
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    z = np.asarray(logits, dtype=np.float64) - np.max(logits)
+    e = np.exp(z)
+    return e / e.sum()

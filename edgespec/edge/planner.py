@@ -29,13 +29,14 @@ from edgespec.edge.drafting import TreeShape
 # picks one each step.
 LADDER: tuple[TreeShape, ...] = (
     TreeShape.target_only(), TreeShape.chain(2), TreeShape.chain(4),
-    TreeShape(budget=8, max_depth=5, top_k=2, width=2),
-    TreeShape(budget=16, max_depth=6, top_k=4, width=4),
-    TreeShape(budget=32, max_depth=8, top_k=4, width=6),
-    TreeShape(budget=64, max_depth=10, top_k=6, width=8),
+    TreeShape(budget=8, max_depth=5, branching=2, width=2),
+    TreeShape(budget=16, max_depth=6, branching=4, width=4),
+    TreeShape(budget=32, max_depth=8, branching=4, width=6),
+    TreeShape(budget=64, max_depth=10, branching=6, width=8),
 )
 BYTES_PER_NODE = 8         # tokens + parents (int32), greedy trees (measured: docs/BENCHMARKS.md)
-BYTES_PER_Q_ENTRY = 6      # token (int32) + weight (uint16), sampled trees
+BYTES_PER_Q_ENTRY = 6      # token (int32) + weight (uint16), sampled trees (rejection rule)
+BYTES_PER_MESSAGE = 48     # framing, step, sampling parameters: paid by target-only steps too
 SCORE_BINS = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.01])
 MAX_TRACKED_DEPTH = 16     # depths beyond share the last depth's correction
 DEPTH_PRIOR = 4.0          # pseudo-observations pulling a depth's correction towards 1
@@ -60,14 +61,18 @@ class StepObservation:
 class _LineFit:
     """y = a + b·x over a window of recent points.
 
-    Least squares when the x values spread enough to tell slope from intercept; otherwise the
-    conservative proportional model (a = 0, b = mean y / mean x), which charges all cost to x.
-    That errs towards small trees, and the resulting change in tree size then reveals the slope.
+    Least squares when the x values spread enough to tell slope from intercept; otherwise a
+    one-parameter model: proportional (a = 0, b = mean y / mean x), which charges all cost to x and
+    errs towards small trees (right for a CPU verifier, whose cost grows with the nodes), or, with
+    fixed_first, all cost fixed (right for a link: a round trip costs the same for 100 bytes or
+    600, and a proportional fit would make a target-only step look free of the round trip). The
+    change in tree size that follows then reveals the slope.
     """
 
-    def __init__(self, window: int = 64, a: float = 0.0, b: float = 0.0) -> None:
+    def __init__(self, window: int = 64, a: float = 0.0, b: float = 0.0, fixed_first: bool = False) -> None:
         self.points: deque[tuple[float, float]] = deque(maxlen=window)
         self.a, self.b = a, b
+        self.fixed_first = fixed_first
 
     def add(self, x: float, y: float) -> None:
         self.points.append((x, y))
@@ -76,6 +81,8 @@ class _LineFit:
             b, _ = np.polyfit(xs, ys, 1)
             self.b = max(float(b), 0.0)
             self.a = max(float(np.mean(ys) - self.b * np.mean(xs)), 0.0)
+        elif self.fixed_first:
+            self.a, self.b = float(np.mean(ys)), 0.0
         elif np.mean(xs) > 0:
             self.a, self.b = 0.0, float(np.mean(ys) / np.mean(xs))
 
@@ -89,7 +96,7 @@ class Planner:
 
     ladder: tuple[TreeShape, ...] = LADDER
     explore_every: int = 16
-    network: _LineFit = field(default_factory=lambda: _LineFit(a=0.0, b=1 / 12.5e6))   # 100 Mbit/s prior
+    network: _LineFit = field(default_factory=lambda: _LineFit(a=0.0, b=1 / 12.5e6, fixed_first=True))  # 100 Mbit/s prior
     # Prior: a CPU-like 50 ms per node, so the first trees are small until measurements arrive.
     verify: _LineFit = field(default_factory=lambda: _LineFit(a=0.0, b=0.05))
     draft_per_decode_s: float = 0.03
@@ -153,11 +160,11 @@ class Planner:
         return 1.0 + (self.queue_s / per_step if per_step > 0 else 0.0)
 
     def step_seconds(self, nodes: int, decodes: int, q_entries: int = 0) -> float:
-        up = nodes * BYTES_PER_NODE + q_entries * BYTES_PER_Q_ENTRY
+        up = BYTES_PER_MESSAGE + nodes * BYTES_PER_NODE + q_entries * BYTES_PER_Q_ENTRY
         # Queueing is the symptom of a shared, saturated verifier: rather than a fixed delay (which
         # would favour ever bigger trees), it scales what our nodes cost, so trees shrink under load.
         verify = (self.verify.a + self.verify.b * (nodes + 1)) * self.load_factor
-        return decodes * self.draft_per_decode_s + self.network(up) + verify
+        return max(decodes * self.draft_per_decode_s + self.network(up) + verify, 1e-9)  # never 0: rates divide by it
 
     def expected_tokens(self, rung: int) -> float:
         """1 + expected accepted drafts for a ladder rung: the running mean of what it achieved
@@ -197,12 +204,14 @@ class Planner:
 
     def prune_size(self, scores: np.ndarray, decodes: int, q_entries_per_node: float = 0.0,
                    depths: np.ndarray | None = None) -> int:
-        """How many of the best-scoring nodes to send: argmax of expected tokens per second.
-        (The n best by score form a tree, see drafting.best_nodes; depths only refine their value.)"""
-        order = np.argsort(-np.asarray(scores), kind="stable")
-        value = self.acceptance(np.asarray(scores)[order], None if depths is None else np.asarray(depths)[order])
+        """How many nodes to send: argmax of expected tokens per second.
+
+        scores (and depths) are the non-root nodes in the order pruning keeps them
+        (Draft.order()), so the first n of them are what a cut to n sends."""
+        scores = np.asarray(scores)
+        value = self.acceptance(scores, None if depths is None else np.asarray(depths))
         gain = 1 + np.concatenate([[0.0], np.cumsum(value)])
-        sizes = np.arange(order.size + 1)
+        sizes = np.arange(scores.size + 1)
         seconds = np.array([self.step_seconds(int(n), decodes, int(n * q_entries_per_node)) for n in sizes])
         return int(sizes[np.argmax(gain / seconds)])
 

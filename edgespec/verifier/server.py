@@ -159,7 +159,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         i = self.info
         tree = wire.tree_from_proto(msg.tree, max_nodes=i.max_nodes, max_k=i.max_k)
         sampling = wire.sampling_from_proto(msg.sampling)
-        tree.validate(i.vocab_size, max_nodes=i.max_nodes, require_q=not sampling.greedy)
+        tree.validate(i.vocab_size, max_nodes=i.max_nodes, require_q=sampling.needs_q)
         depth = int(tree.depths.max())
         if depth > i.max_depth:
             raise TreeTooLargeError(f"tree depth {depth} is over this verifier's limit of {i.max_depth}")

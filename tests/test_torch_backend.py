@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 from edgespec import EdgeSession, TreeShape  # noqa: E402
 from edgespec.common.sampling import SamplingParams  # noqa: E402
 from edgespec.common.tree import TokenTree  # noqa: E402
+from edgespec.runtime.conversation import ToldContext  # noqa: E402
 from edgespec.runtime.llama import ContextConfig, TreeContext  # noqa: E402
 from edgespec.verifier.torch.backend import TorchBackend  # noqa: E402
 from edgespec.verifier.torch.block_pool import NULL_BLOCK, BlockPool, OutOfBlocksError  # noqa: E402
@@ -336,7 +337,7 @@ def references(backend, smol_model):
 def test_greedy_speculation_is_exactly_target_only(backend, smol_path, smol_model, references, shape):
     """Drafts from llama.cpp (SmolLM2 Q4_1), verified by the float32 torch target: token for token
     the torch target's own greedy output, with no near-tie allowance."""
-    with EdgeSession(smol_path, smol_path, verifier=backend.open_session(), tree=shape, n_ctx=1024) as session:
+    with EdgeSession(smol_path, smol_path, verifier=ToldContext(backend.open_session()), tree=shape, n_ctx=1024) as session:
         for prompt, ref in references.items():
             got = speculative(session, chat(smol_model, prompt), N_TOKENS)
             assert got == ref, f"{prompt!r}: speculative output left target-only greedy output"
@@ -348,7 +349,7 @@ def test_sampled_verification_is_reproducible(backend, smol_path, smol_model):
     prompt = chat(smol_model, PROMPTS[2])
     runs = []
     for seed in (7, 7, 8):
-        with EdgeSession(smol_path, smol_path, verifier=backend.open_session(), tree=TreeShape(budget=8),
+        with EdgeSession(smol_path, smol_path, verifier=ToldContext(backend.open_session()), tree=TreeShape(budget=8),
                          n_ctx=1024) as session:
             runs.append(speculative(session, prompt, 16, SamplingParams(temperature=0.8, seed=seed)))
     assert runs[0] == runs[1] and runs[0] != runs[2]

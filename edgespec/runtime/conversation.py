@@ -50,3 +50,33 @@ class Conversation:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class OwnedContext(Protocol):
+    """A verifier that owns its context, as a verifier service's BackendSession does."""
+
+    @property
+    def committed_tokens(self) -> list[int]: ...
+    def sync(self, tokens: list[int]) -> None: ...
+    def verify(self, tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult: ...
+    def close(self) -> None: ...
+
+
+class ToldContext:
+    """Puts a verifier that owns its context under a caller that owns it (the decoder): the
+    caller's context wins, and the verifier is re-synced whenever it holds anything else. For
+    tests that verify with a verifier service's backend session in-process."""
+
+    def __init__(self, owner: OwnedContext) -> None:
+        self.owner = owner
+
+    def sync(self, context: Sequence[int]) -> None:
+        self.owner.sync(list(context))
+
+    def verify(self, context: Sequence[int], tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult:
+        if self.owner.committed_tokens != list(context):
+            self.owner.sync(list(context))
+        return self.owner.verify(tree, sampling, step)
+
+    def close(self) -> None:
+        self.owner.close()

@@ -17,8 +17,8 @@ a stamp whose size or mtime no longer matches the file is ignored (the file chan
 
 Environment:
     EDGESPEC_HOME       cache directory (default ~/.cache/edgespec)
-    EDGESPEC_MANIFEST   path of a manifest json to use instead of the one shipped in the package
-                        (tests and private model sets)
+    EDGESPEC_MANIFEST   path of a manifest json to use instead of models/manifest.json (which
+                        wheels ship as edgespec/manifest/models.json): tests and private model sets
 """
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ from edgespec.common.errors import ModelError
 
 __all__ = [
     "GGUF_MAGIC", "GROUPS", "Manifest", "ModelSpec", "ModelStatus", "PartSpec",
-    "check", "downloads_dir", "expand_names", "fetch", "home_dir", "load_manifest", "model_path",
+    "check", "default_manifest_path", "downloads_dir", "expand_names", "fetch", "home_dir", "load_manifest",
+    "model_path",
     "models_dir", "resolve",
 ]
 
@@ -146,20 +147,37 @@ def _parse_model(raw: Mapping, source: str) -> ModelSpec:
     return spec
 
 
+# The one manifest is models/manifest.json in the repository. A wheel carries a copy, made at build
+# time by setup.py as edgespec/manifest/models.json; a source checkout (editable install, tests)
+# reads the repository's file directly, so there is nothing to keep in sync.
+_CHECKOUT_MANIFEST = Path(__file__).resolve().parents[2] / "models" / "manifest.json"
+
+
+def _shipped_manifest():  # -> importlib.resources.abc.Traversable
+    return resources.files("edgespec") / "manifest" / "models.json"
+
+
+def default_manifest_path() -> str:
+    """Where the default manifest is read from: the copy in an installed wheel, else the
+    repository's models/manifest.json (source checkouts and editable installs)."""
+    shipped = _shipped_manifest()
+    return str(shipped) if shipped.is_file() else str(_CHECKOUT_MANIFEST)
+
+
 def load_manifest(path: str | os.PathLike | None = None) -> Manifest:
-    """Read the manifest: `path`, else `$EDGESPEC_MANIFEST`, else the copy shipped in the package
-    (edgespec/manifest/models.json)."""
+    """Read the manifest: `path`, else `$EDGESPEC_MANIFEST`, else the default one
+    (`default_manifest_path()`: models/manifest.json, shipped in wheels)."""
     path = path or os.environ.get("EDGESPEC_MANIFEST") or None
     try:
         if path is not None:
             source, text = str(path), Path(path).read_text(encoding="utf-8")
+        elif _shipped_manifest().is_file():
+            source, text = str(_shipped_manifest()), _shipped_manifest().read_text(encoding="utf-8")
         else:
-            res = resources.files("edgespec") / "manifest" / "models.json"
-            source, text = str(res), res.read_text(encoding="utf-8")
+            source, text = str(_CHECKOUT_MANIFEST), _CHECKOUT_MANIFEST.read_text(encoding="utf-8")
         data = json.loads(text)
     except (OSError, ValueError) as exc:
-        raise ModelError(f"cannot read model manifest {path or 'edgespec/manifest/models.json'}: "
-                         f"{exc}") from exc
+        raise ModelError(f"cannot read model manifest {path or default_manifest_path()}: {exc}") from exc
     models = tuple(_parse_model(m, source) for m in data.get("models", []))
     if len({m.name for m in models}) != len(models):
         raise ModelError(f"manifest {source}: duplicate model names")

@@ -25,10 +25,16 @@ if [ "$FLAVOR" = cpu-portable ] && [ "$(uname -m)" != x86_64 ]; then
   LLAMA_CMAKE_ARGS="-DLLAVA_BUILD=OFF"   # aarch64 (Jetson without CUDA): the native build is fine
 fi
 
-# Link-fault tests use network namespaces (ip, tc); install iproute2 where we can (root, Debian).
-if ! command -v tc >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  echo "[setup] installing iproute2 for the network-namespace tests"
-  (apt-get update -qq && apt-get install -y -qq iproute2) || echo "[setup] iproute2 unavailable: netns tests will skip"
+# Link-fault tests use network namespaces (ip, tc) and a firewall inside them (nft, for partitions:
+# tests/netlab.py block); install what is missing where we can (root, Debian). As root the netns
+# tests run and fail without these, so CI never skips them silently.
+NEED=()
+command -v tc >/dev/null 2>&1 || NEED+=(iproute2)
+command -v nft >/dev/null 2>&1 || command -v iptables >/dev/null 2>&1 || NEED+=(nftables)
+if [ ${#NEED[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "[setup] installing ${NEED[*]} for the network-namespace tests"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${NEED[@]}") \
+    || echo "[setup] could not install ${NEED[*]}: the network-namespace tests will fail"
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then

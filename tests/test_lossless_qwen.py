@@ -1,12 +1,14 @@
 """Losslessness on the real Qwen2.5-Coder pair (0.5B draft, 1.5B target), greedy, bounded tokens.
 
-Speculative output must equal target-only greedy output; wherever they diverge, the target's
-top-2 logit margin at that position must be below NEAR_TIE_MARGIN (floating-point near-tie).
+Speculative output must equal target-only greedy output; a divergence must be explained by the
+measured logits (tests/lossless.py: the verifier's own row for the deciding node picks the emitted
+token, and target-only logits there differ from it by at least the margin between the two tokens).
 """
 import pytest
 
+import lossless
 from edgespec import EdgeSession, TreeShape
-from lossless import NEAR_TIE_MARGIN, assert_lossless, spec_tokens, target_only_greedy
+from lossless import assert_lossless, spec_tokens, target_only_greedy
 
 pytestmark = pytest.mark.qwen
 N_TOKENS = 40
@@ -30,11 +32,14 @@ def references(qwen_models):
 
 @pytest.mark.parametrize("shape", [TreeShape.chain(4), TreeShape(budget=16)], ids=["chain4", "tree16"])
 def test_speculative_greedy_matches_target(qwen_paths, references, shape, record_property):
-    exact = 0
+    exact, explained_before = 0, len(lossless.EXPLAINED)
     with EdgeSession(*qwen_paths, tree=shape, local=True, n_ctx=2048) as session:
         for prompt, (tokens, ref) in references.items():
             exact += assert_lossless(spec_tokens(session, tokens, N_TOKENS), ref, prompt)
         assert session.stats.tau > 1.5, f"the Qwen pair should accept drafts: tau {session.stats.tau:.2f}"
+    explained = lossless.EXPLAINED[explained_before:]
+    assert exact + len(explained) == len(PROMPTS)
     record_property("exact_matches", f"{exact}/{len(PROMPTS)}")
-    print(f"{exact}/{len(PROMPTS)} prompts identical to target-only greedy; "
-          f"others diverged only at target top-2 margin < {NEAR_TIE_MARGIN}; tau {session.stats.tau:.2f}")
+    record_property("explained_divergences", "; ".join(map(str, explained)))
+    print(f"{exact}/{len(PROMPTS)} prompts identical to target-only greedy, {len(explained)} diverged where "
+          f"numerics explain it; tau {session.stats.tau:.2f}")

@@ -26,12 +26,13 @@ from edgespec.edge.link import RemoteVerifier
 from edgespec.runtime.llama import ContextConfig
 from edgespec.runtime.tree_verifier import LlamaTreeVerifier
 from edgespec.v1 import edgespec_pb2 as pb
+import logit_record
 from grpc_helpers import RawStream, ServerProcess, error_class, make_tls_files
+from lossless import explain_divergence, first_divergence, model_name, target_only_row
 from netlab import wait_for
 
 TOKEN = "test-token-0123456789"
 SHAPE = TreeShape()  # fixed tree shape on both sides (no cost-model planning: keeps runs comparable)
-NEAR_TIE = 0.5
 N_CTX = 1024
 PROMPTS = ["Write a Python function that adds two numbers.", "What is the capital of France? Answer briefly.",
            "List three fruits.", "Explain recursion in one sentence."]
@@ -75,10 +76,19 @@ def prompts(local_session):
     return [local_session.draft_model.chat_tokens([{"role": "user", "content": p}]) for p in PROMPTS]
 
 
+LOCAL_RECORDS: dict[tuple[int, ...], tuple[list[int], list]] = {}  # per prompt: reference output, its verifier's logits
+
+
 @pytest.fixture(scope="module")
 def reference(local_session, prompts):
-    """Local-mode output of every prompt (the same llama.cpp computation the server does)."""
-    return [generate(local_session, p) for p in prompts]
+    """Local-mode output of every prompt (the same llama.cpp computation the server does); the
+    logits its verifier used are kept to explain a divergence on the local side."""
+    outs = []
+    for p in prompts:
+        with logit_record.capture() as records:   # local, fixed shape: verified on this thread
+            outs.append(generate(local_session, p))
+        LOCAL_RECORDS[tuple(p)] = (outs[-1], records)
+    return outs
 
 
 def generate(session: EdgeSession, prompt: list[int], n: int = MAX_TOKENS) -> list[int]:
@@ -90,31 +100,44 @@ def remote_session(srv: ServerProcess, smol_path, **kw) -> EdgeSession:
     return EdgeSession(smol_path, smol_path, verifier=srv.address, token=srv.token, n_ctx=N_CTX, **kw)
 
 
-def target_margin(model, context: list[int]) -> float:
-    """The target's top-2 logit gap after `context` (VerifyResult.margins of a root-only tree)."""
-    verifier = LlamaTreeVerifier(model, ContextConfig(n_ctx=N_CTX))
-    try:
-        verifier.sync(context)
-        return verifier.verify(TokenTree.chain(context[-1], []), GREEDY, 0).margins[0]
-    finally:
-        verifier.close()
-
-
-def assert_same_output(model, prompt: list[int], got: list[int], want: list[int], label: str = "") -> None:
-    """Token for token equal; the only excuse is a floating-point near-tie of the target.
+def assert_same_output(model, prompt: list[int], got: list[int], want: list[int], label: str = "",
+                       n: int = MAX_TOKENS) -> None:
+    """Token for token equal, or the first divergence explained by numerics (lossless.py).
 
     Over the link the target runs the very same llama.cpp computation as in local mode, but the
     edge's decoder may shape (or pipeline) its trees differently, and a different tree changes the
-    KV-cache layout and so the last bits of the logits (MODELS.md). A divergence is therefore
-    accepted only where the target's top-2 margin, recomputed on the common prefix, is < 0.5.
+    KV-cache layout and so the last bits of the logits (MODELS.md). So at the first divergence,
+    each side whose token is not the target-only choice must be explained by its own verifier's
+    recorded logits (the link: the server process; local mode: this process) against target-only
+    logits for the common prefix, with the same rule as every other test (explain_divergence).
     """
     if got == want:
         return
-    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-    margin = target_margin(model, prompt + got[:i])
-    assert margin < NEAR_TIE, (f"{label}: link output diverges from local mode at token {i} where the target's "
-                                f"top-2 margin is {margin:.3f} (not a near-tie): {got} != {want}")
-    print(f"{label}: near-tie divergence at token {i} (margin {margin:.3f})")
+    got, want = [with_end(model, out, n) for out in (got, want)]
+    i = first_divergence(got, want)
+    assert i is not None, f"{label}: {got} != {want}"
+    context = prompt + got[:i]
+    target = target_only_row(model, context, N_CTX)
+    for side, tokens, here in (("link", got, False), ("local", want, True)):
+        if tokens[i] != target.argmax:
+            explain_divergence(context, tokens[i], target, f"{label} ({side})", model=model_name(model), position=i,
+                               verifier_here=here, records=local_records(prompt, want) if here else None)
+
+
+def local_records(prompt: list[int], want: list[int]) -> list | None:
+    """The reference run's verifier logits if `want` is (a prefix of) that run's output; else None
+    (the most recent trees verified in this process are then the local side's)."""
+    out, records = LOCAL_RECORDS.get(tuple(prompt), ([], None))
+    return records if records and with_end_prefix(out, want) else None
+
+
+def with_end_prefix(out: list[int], want: list[int]) -> bool:
+    return len(want) <= len(out) + 1 and out[:len(want)] == want[:len(out)]
+
+
+def with_end(model, out: list[int], n: int) -> list[int]:
+    """The output with its end-of-generation token (if it stopped before n), as spec_tokens keeps it."""
+    return out + [model.eos] if len(out) < n else out
 
 
 def open_raw(srv: ServerProcess, fingerprint: str, model_id: str = "test", token: str | None = "default"):
@@ -168,7 +191,7 @@ def test_chat_text_over_the_link_equals_local(server, smol_path, smol_model, loc
         if got != want:  # same rule as assert_same_output, on the text
             prompt = local.draft_model.chat_tokens([{"role": "user", "content": PROMPTS[0]}])
             assert_same_output(smol_model, prompt, smol_model.tokenize(got, False, False),
-                               smol_model.tokenize(want, False, False), "chat")
+                               smol_model.tokenize(want, False, False), "chat", n=24)
 
 
 def test_concurrent_sessions(server, smol_path, smol_model, prompts, reference):
@@ -318,10 +341,10 @@ def test_too_many_streams(small_server, fingerprint, prompts):
 
 def test_kv_slots_all_in_flight_is_resource_exhausted(smol_path):
     """Registry level, real backend: the only slot belongs to a session with a queued request."""
-    from edgespec.verifier.llama_backend import LlamaCpuBackend
+    from edgespec.verifier.llama_backend import LlamaCppBackend
     from edgespec.verifier.sessions import SessionRegistry
 
-    backend = LlamaCpuBackend(smol_path, n_ctx=256)
+    backend = LlamaCppBackend(smol_path, n_ctx=256)
     registry = SessionRegistry(backend, max_sessions=1)
     try:
         a, b = registry.open_stream(), registry.open_stream()
@@ -354,10 +377,10 @@ def test_ended_streams_leave_a_prefix_cache(smol_path, smol_model):
     """Registry level, real backend: the KV state of an ended stream serves the next session whose
     context shares its prefix (only the rest is prefilled, and verification is unchanged); with
     every slot needed, retained states go first, before any live session is evicted."""
-    from edgespec.verifier.llama_backend import LlamaCpuBackend
+    from edgespec.verifier.llama_backend import LlamaCppBackend
     from edgespec.verifier.sessions import SessionRegistry
 
-    backend = LlamaCpuBackend(smol_path, n_ctx=512)
+    backend = LlamaCppBackend(smol_path, n_ctx=512)
     registry = SessionRegistry(backend, max_sessions=2)
     prompt = smol_model.chat_tokens([{"role": "user", "content": "Name three colours."}])
     other = smol_model.chat_tokens([{"role": "user", "content": "What is two plus two?"}])
@@ -602,7 +625,7 @@ def test_tls(tmp_path, smol_path, smol_model, fingerprint, prompts, reference):
     try:
         host_port = f"localhost:{srv.port}"
         with EdgeSession(smol_path, smol_path, verifier=host_port, token=TOKEN, tls=str(ca), n_ctx=N_CTX, tree=SHAPE) as s:
-            assert_same_output(smol_model, prompts[0], generate(s, prompts[0], 16), reference[0][:16], "tls")
+            assert_same_output(smol_model, prompts[0], generate(s, prompts[0], 16), reference[0][:16], "tls", n=16)
         with RemoteVerifier(f"127.0.0.1:{srv.port}", TOKEN, str(ca), tokenizer_hash=fingerprint) as link:
             link.sync(prompts[0])  # IP SAN
         with pytest.raises(VerifierUnavailableError):  # plain text against a TLS port

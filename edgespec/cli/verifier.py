@@ -30,7 +30,7 @@ log = logging.getLogger("edgespec.verifier")
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from edgespec.common import modelstore
-    from edgespec.verifier.backends import create_backend
+    from edgespec.verifier.factory import create_backend
     from edgespec.verifier.server import VerifierServer
 
     token = args.token or os.environ.get("EDGESPEC_TOKEN") or None
@@ -136,7 +136,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--idle-timeout-s", type=float, default=600.0,
                    help="free the KV of sessions idle this long (0: never)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads of llama.cpp or torch (default 1)")
-    p.add_argument("--n-gpu-layers", type=int, default=0, help="layers offloaded to a GPU build of llama.cpp")
+    p.add_argument("--n-gpu-layers", type=int, default=0,
+                   help="llama.cpp layers offloaded to the GPU (-1: all; needs a GPU build of llama.cpp, see README)")
     p.add_argument("--backend", choices=("llama", "torch"), default="llama",
                    help="llama: llama.cpp (default); torch: the torch engine over a paged KV cache "
                         "(needs edgespec[torch]; float32 on the CPU is the exact reference)")

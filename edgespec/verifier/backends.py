@@ -3,14 +3,14 @@
 A `Backend` owns the model (weights, vocabulary) and opens `BackendSession`s, each with its own
 KV state (one conversation). The service serialises all calls into a backend through one compute
 worker, so implementations need not be thread-safe; they must only free a session's memory on
-`BackendSession.close()`. `LlamaCpuBackend` (verifier/llama_backend.py) runs llama.cpp on the CPU; `TorchBackend`
-(verifier/torch/, optional extra `edgespec[torch]`) runs the model in torch on the CPU (float32: the
-exact reference) or a GPU. `create_backend` picks one by name.
+`BackendSession.close()`. `LlamaCppBackend` (verifier/llama_backend.py) runs llama.cpp on the CPU or,
+with GPU layers, a GPU; `TorchBackend` (verifier/torch/, optional extra `edgespec[torch]`) runs the
+model in torch on the CPU (float32: the exact reference) or a GPU. `verifier/factory.py`
+(`create_backend`) picks one by name; this module imports neither, so the backends can import it.
 """
 from __future__ import annotations
 
 import abc
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,24 +94,3 @@ def model_identity(path: Path) -> tuple[str, tuple[str, ...]]:
         pass
     names.discard(model_id)
     return model_id, tuple(sorted(names))
-
-
-BACKENDS = ("llama", "torch")
-
-
-def create_backend(kind: str, model_path: str | os.PathLike, *, n_ctx: int = 4096, max_nodes: int = 128,
-                   max_depth: int = 32, threads: int = 1, n_gpu_layers: int = 0, device: str = "cpu",
-                   dtype: str | None = None, max_sessions: int = 4) -> Backend:
-    """The backend called `kind` ("llama" or "torch"); ValueError for bad settings."""
-    if kind == "llama":
-        from edgespec.verifier.llama_backend import LlamaCpuBackend
-        return LlamaCpuBackend(model_path, n_ctx=n_ctx, max_nodes=max_nodes, max_depth=max_depth, n_threads=threads,
-                               n_gpu_layers=n_gpu_layers)
-    if kind == "torch":
-        try:
-            from edgespec.verifier.torch.backend import TorchBackend
-        except ImportError as exc:
-            raise ValueError(f"the torch backend needs torch ({exc}): pip install 'edgespec[torch]'") from None
-        return TorchBackend(model_path, device=device, dtype=dtype, n_ctx=n_ctx, max_nodes=max_nodes,
-                            max_depth=max_depth, max_sessions=max_sessions, threads=threads)
-    raise ValueError(f"unknown backend {kind!r} (choose from {', '.join(BACKENDS)})")

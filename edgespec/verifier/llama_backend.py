@@ -1,6 +1,7 @@
 """The llama.cpp backend: one LlamaModel shared by every session, one TreeContext per session.
 
 Kept apart from backends.py so that a host without llama-cpp-python can still serve the torch backend.
+Runs on the CPU, or with `n_gpu_layers` on a GPU build of llama.cpp; `info.backend` says which.
 """
 from __future__ import annotations
 
@@ -37,12 +38,27 @@ class _LlamaSession(BackendSession):
         self._verifier.close()
 
 
-class LlamaCpuBackend(Backend):
-    """llama.cpp on the CPU: one LlamaModel shared by every session, one TreeContext per session."""
+def device_label(gpu_layers: int, n_layer: int) -> str:
+    """Where a model of `n_layer` blocks with `gpu_layers` offloaded runs, for ModelInfo.backend:
+    "llama-cpu", "llama-gpu" (every layer offloaded, the output layer included) or
+    "llama-cpu+gpu:K/N" (K of its N layers on the GPU)."""
+    layers = n_layer + 1   # the repeating blocks plus the output layer
+    if gpu_layers <= 0:
+        return "llama-cpu"
+    if gpu_layers >= layers:
+        return "llama-gpu"
+    return f"llama-cpu+gpu:{gpu_layers}/{layers}"
+
+
+class LlamaCppBackend(Backend):
+    """llama.cpp (CPU, or GPU with n_gpu_layers): one LlamaModel shared by every session, one
+    TreeContext per session."""
 
     def __init__(self, model_path: str | os.PathLike, *, n_ctx: int = 4096, max_nodes: int = 128,
                  max_depth: int = 32, max_k: int = 64, n_threads: int = 1, n_gpu_layers: int = 0,
                  model_id: str | None = None) -> None:
+        if n_threads < 1:
+            raise ValueError(f"threads must be >= 1, got {n_threads}")
         if not 2 <= max_nodes <= MAX_TREE_NODES:
             raise ValueError(f"max_nodes must be in [2, {MAX_TREE_NODES}], got {max_nodes}")
         if n_ctx < max(max_nodes + 1, max_depth + 2):
@@ -66,8 +82,9 @@ class LlamaCpuBackend(Backend):
         self.info = ModelInfo(
             model_id=model_id or mid, aliases=aliases if model_id is None else (mid, *aliases),
             tokenizer_hash=self.model.tokenizer_fingerprint(), vocab_size=self.model.n_vocab, n_ctx=n_ctx,
-            max_nodes=max_nodes, max_depth=max_depth, max_k=max_k, backend="llama-cpu",
-            kv_bytes_per_session=kv + logits, extra={"path": str(self.model.path)})
+            max_nodes=max_nodes, max_depth=max_depth, max_k=max_k, backend=device_label(self.model.gpu_layers, self.model.n_layer),
+            kv_bytes_per_session=kv + logits,
+            extra={"path": str(self.model.path), "gpu_layers": self.model.gpu_layers, "threads": n_threads})
 
     def open_session(self) -> BackendSession:
         return _LlamaSession(self.model, self.config, self.max_depth)

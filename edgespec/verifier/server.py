@@ -1,6 +1,6 @@
 """The verifier gRPC service: `edgespec.v1.Verifier` plus standard health checking and reflection.
 
-    server = VerifierServer(LlamaCpuBackend(path), host="127.0.0.1", port=0, token="s3cret")
+    server = VerifierServer(LlamaCppBackend(path), host="127.0.0.1", port=0, token="s3cret")
     server.start(); print(server.address); ...; server.stop()
 
 - Authentication: with a token, every RPC except `grpc.health.v1.Health/*` (load balancers probe

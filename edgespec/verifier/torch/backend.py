@@ -4,7 +4,7 @@
     backend = TorchBackend(path, device="cuda")                    # bfloat16 on a GPU
     session = backend.open_session(); session.sync(prompt); session.verify(tree, sampling, step)
 
-Same contract as LlamaCpuBackend (verifier/backends.py), same acceptance code (common/acceptance.py:
+Same contract as LlamaCppBackend (verifier/llama_backend.py), same acceptance code (common/acceptance.py:
 check_context, check_tree, accept_logits), so the service cannot tell them apart except by
 `ModelInfo.backend`. Invariant, as in the llama.cpp verifier: a session's KV sequence holds every
 committed token except the last one, which is the root of the next tree.

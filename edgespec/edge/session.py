@@ -46,7 +46,8 @@ class EdgeSession:
           $EDGESPEC_TOKEN), `tls` True (system roots) or the path of a CA file to trust;
         - neither (the default): the bundled verifier service, started as a child process on
           loopback with the target model, and stopped by `close()`.
-        A ready-made verifier object (anything with sync/verify/close) is used as given.
+        A ready-made verifier object (the decoder's protocol: sync(context), verify(context, tree, ...),
+        close(); see edgespec/edge/decoder.py) is used as given.
 
         Fallback (remote and bundled modes; edgespec/edge/failover.py): the link is wrapped in a
         FailoverVerifier. A step the verifier does not answer within `deadline_s` (default 10 s;

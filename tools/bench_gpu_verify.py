@@ -1,27 +1,31 @@
 #!/usr/bin/env python3
-"""Time one verify step of the torch engine: tree attention over the paged KV cache + the whole
-model forward, with RANDOM weights of the Qwen2.5-Coder-1.5B shape (28 layers, d 1536, 12/2 heads,
-ffn 8960, vocab 151936), for B sessions x T tree nodes at a fixed context.
+"""One GPU run for the torch verifier: checks, the tree-attention kernel against SDPA, the verify
+step of the engine the service uses, and HF transformers measured side by side in the same run.
 
-    python tools/bench_gpu_verify.py --device cuda --json out.json      # bf16 on a GPU
-    python tools/bench_gpu_verify.py --device cpu --small                # smoke test (tiny model)
+    python tools/bench_gpu_verify.py --out results.json            # everything, on a CUDA GPU
+    python tools/bench_gpu_verify.py --device cpu --small          # smoke test of the script
 
-Several sessions' trees go through ONE forward (engine.decode pads trees to the largest and block
-tables with the null block). Columns, each the median over --iters runs after --warmup:
-- step:    what a verify of B trees costs end to end: build the inputs on the host (tree masks,
-           positions, block tables) and copy them over, forward, greedy argmax per node to the host,
-           commit an accepted path of up to 4 nodes per session into the paged cache, truncate back;
-- forward: the forward alone, inputs prepared (eager PyTorch: kernel-launch bound at small T);
-- graph:   the same forward captured once as a CUDA graph and replayed (no launch overhead).
-CUDA timings use CUDA events; CPU timings use perf_counter. Weights are random, so the accepted
-path is fixed (first children), not decided by the model. Also checks, in float32 on the same
-device with a small random model, that tree logits equal chain (one token at a time) logits.
+Sections (each prints a table; everything goes to --out as JSON):
+1. ceilings: device-to-device copy bandwidth and a bf16 matrix product, measured here;
+2. checks: the Triton kernel against the torch reference (bf16, relative error) and the engine's
+   device decisions with CUDA graphs against accept_greedy on eager logits (tiny float32 model);
+3. attention: tree of 64 nodes, 64 query / 8 KV heads, d 128, bf16, paged (block 16): the Triton
+   kernel, the torch reference (gather + masked SDPA), and SDPA with no mask over contiguous K/V
+   (flash, cuDNN: less work than a tree kernel must do), against the roofline floor;
+4. step: `Engine.verify` (the call TorchBackend.verify_many makes) for B sessions x T tree nodes at
+   a fixed context, random weights of the Qwen2.5-Coder-1.5B shape: host packing, one H2D copy,
+   the forward + acceptance + compaction replayed as a CUDA graph, one small D2H copy, lengths
+   updated. `step_ms` is host wall time per call (what a request pays); `replay_ms` the graph alone
+   (CUDA events). The same cells with HF transformers (Qwen2ForCausalLM, sdpa, DynamicCache:
+   forward of T tokens + argmax to the host + crop back), measured in this run.
+Medians over --iters after --warmup. Weights are random: timings only.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import math
 import statistics
 import sys
 import time
@@ -32,266 +36,362 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from edgespec.verifier.torch.engine import Engine  # noqa: E402
-from edgespec.verifier.torch.model import Decoder, ModelConfig  # noqa: E402
-
-# /work/shared/BASELINES.md: HF transformers Qwen2ForCausalLM (sdpa, DynamicCache), same shape,
-# random bf16 weights, context 1024, H200, 2026-11-29. {batch: {tree tokens: ms}}
-HF_BASELINE_MS = {1: {1: 37.5, 16: 27.7, 64: 38.5, 128: 46.2}, 8: {1: 38.8, 16: 41.4, 64: 37.5, 128: 43.1}}
-HBM_BYTES_S = 4.3e12      # measured device-to-device copy on the H200 (BASELINES.md)
-BF16_FLOP_S = 790e12      # measured bf16 GEMM ceiling on the H200 (BASELINES.md)
+from edgespec.common.acceptance import accept_greedy  # noqa: E402
+from edgespec.common.tree import TokenTree  # noqa: E402
+from edgespec.verifier.torch.engine import Engine, TreeStep  # noqa: E402
+from edgespec.verifier.torch.model import ModelConfig, TransformerLM  # noqa: E402
+from edgespec.verifier.torch.tree_attention import TorchPagedAttention, ancestor_mask  # noqa: E402
 
 
-def random_tree(n: int, rng: np.random.Generator, vocab: int) -> tuple[list[int], list[int]]:
-    """A random recursive tree of n nodes (each node's parent uniform among earlier nodes)."""
-    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
-    return rng.integers(0, vocab, size=n).tolist(), parents
+def log(*args) -> None:
+    print(*args, flush=True)
 
 
-def first_child_path(parents: list[int], depth: int) -> list[int]:
-    path, node = [0], 0
-    for _ in range(depth):
-        kids = [i for i, p in enumerate(parents) if p == node]
-        if not kids:
-            break
-        node = kids[0]
-        path.append(node)
-    return path
+def random_parents(n: int, rng: np.random.Generator) -> list[int]:
+    return [-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, n)]  # bushy but deep-ish
 
 
-class Timer:
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn, warmup: int, iters: int) -> float:
-        """Median milliseconds of fn()."""
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(iters):
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t) * 1000)
-        return statistics.median(times)
+def cuda_ms(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
 
 
-def fill_context(engine: Engine, n_seqs: int, context: int, seed: int) -> list:
-    """n_seqs sequences holding `context` positions of random K/V each."""
-    c = engine.model.config
-    g = torch.Generator(device=engine.cache.device).manual_seed(seed)
+def wall_ms(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
+
+
+# -- 1. ceilings ------------------------------------------------------------------------------
+def ceilings() -> dict:
+    x = torch.empty(2 * 1024 ** 3 // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    ms = cuda_ms(lambda: y.copy_(x), 3, 10)
+    bw = 2 * x.numel() * 2 / (ms / 1000)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    ms = cuda_ms(lambda: a @ b, 3, 10)
+    flops = 2 * 8192 ** 3 / (ms / 1000)
+    return {"copy_bytes_per_s": bw, "bf16_flop_per_s": flops}
+
+
+# -- 2. checks --------------------------------------------------------------------------------
+def check_kernel() -> dict:
+    from edgespec.verifier.torch.triton_attention import TritonPagedAttention
+
+    out = {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rng = np.random.default_rng(0)
+    for B, T, ctx_len, Hq, Hkv in ((1, 1, 1000, 12, 2), (3, 64, 700, 12, 2), (2, 64, 4096, 64, 8), (4, 128, 333, 12, 2)):
+        bs, D = 16, 128
+        nb = -(-(ctx_len + T) // bs)
+        cache = torch.randn(2, (B * nb + 8) * bs, Hkv, D, generator=g, device="cuda", dtype=torch.bfloat16)
+        tables = torch.from_numpy(rng.permutation(np.arange(1, B * nb + 1)).reshape(B, nb)).cuda()
+        ctx = torch.tensor([ctx_len - 17 * b for b in range(B)], device="cuda")
+        anc = torch.stack([torch.from_numpy(ancestor_mask(random_parents(T, rng))) for _ in range(B)]).cuda()
+        q = torch.randn(B, T, Hq, D, generator=g, device="cuda", dtype=torch.bfloat16)
+        ref = TorchPagedAttention(tables, ctx, anc, bs, Hq // Hkv)(q.double(), cache.double())
+        got = TritonPagedAttention(tables, ctx, anc, bs, Hq // Hkv)(q, cache).double()
+        err = float((got - ref).norm() / ref.norm())
+        out[f"B{B}_T{T}_ctx{ctx_len}_H{Hq}/{Hkv}"] = err
+    return out
+
+
+def check_engine(attention: str) -> dict:
+    """Tiny float32 model, CUDA graphs: device decisions vs accept_greedy on eager logits."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = TransformerLM.random(ModelConfig.tiny("qwen2"), dtype=torch.float32, device="cuda", seed=1)
+    engine = Engine(model, num_blocks=256, block_size=16, cuda_graphs=True, attention=attention)
+    rng = np.random.default_rng(1)
     seqs = []
-    for _ in range(n_seqs):
-        seq = engine.new_sequence()
+    for n in (40, 77, 5):
+        s = engine.new_sequence()
+        engine.prefill(s, rng.integers(0, 512, size=n).tolist())
+        seqs.append(s)
+    checked = mismatches = accepted = 0
+    for _ in range(12):
+        steps, refs = [], []
+        for s in seqs:
+            n = int(rng.integers(1, 20))
+            parents = random_parents(n, rng)
+            tokens = rng.integers(0, 512, size=n).tolist()
+            # make the first-child chain follow the eager argmax so paths get accepted
+            for i in range(1, n):
+                if parents[i] == i - 1 and rng.random() < 0.8:
+                    tokens[i] = int(engine.logits(s, tokens, parents)[i - 1].argmax())
+            logits = engine.logits(s, tokens, parents).cpu().numpy()
+            refs.append(accept_greedy(TokenTree(tokens=np.array(tokens), parents=np.array(parents)),
+                                      logits.argmax(-1)))
+            steps.append(TreeStep(s, tokens, parents))
+        for d, ref in zip(engine.verify(steps), refs):
+            checked += 1
+            accepted += len(d.path)
+            mismatches += (d.path, d.next_token) != (ref.path, ref.next_token)
+    return {"attention": attention, "steps": checked, "mismatches": mismatches, "accepted_nodes": accepted,
+            "captures": engine.stats["captures"], "replays": engine.stats["replays"]}
+
+
+# -- 3. attention kernels ---------------------------------------------------------------------
+def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict) -> list[dict]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from edgespec.verifier.torch.triton_attention import TritonPagedAttention
+
+    rows = []
+    Hq, Hkv, D, bs = 64, 8, 128, 16
+    rng = np.random.default_rng(3)
+    for B, L in shapes:
+        nb = -(-(L + T) // bs)
+        cache = torch.randn(2, (B * nb + 1) * bs, Hkv, D, device="cuda", dtype=torch.bfloat16)
+        tables = torch.from_numpy(rng.permutation(np.arange(1, B * nb + 1)).reshape(B, nb)).cuda()
+        ctx = torch.full((B,), L, device="cuda")
+        anc = torch.stack([torch.from_numpy(ancestor_mask(random_parents(T, rng))) for _ in range(B)]).cuda()
+        q = torch.randn(B, T, Hq, D, device="cuda", dtype=torch.bfloat16)
+        N = L + T
+        kv_bytes = 2 * B * N * Hkv * D * 2
+        flops = 4 * B * Hq * T * N * D
+        floor = max(kv_bytes / ceil["copy_bytes_per_s"], flops / ceil["bf16_flop_per_s"]) * 1000
+        row = {"batch": B, "context": L, "tree": T, "floor_ms": floor, "hbm_floor_ms": kv_bytes / ceil["copy_bytes_per_s"] * 1000,
+               "compute_floor_ms": flops / ceil["bf16_flop_per_s"] * 1000}
+        best = None
+        for bm, bn, warps, stages in ((64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 8, 2), (128, 32, 4, 2)):
+            TritonPagedAttention.BLOCK_M, TritonPagedAttention.BLOCK_N = bm, bn
+            TritonPagedAttention.NUM_WARPS, TritonPagedAttention.NUM_STAGES = warps, stages
+            try:
+                att = TritonPagedAttention(tables, ctx, anc, bs, Hq // Hkv)
+                ms = cuda_ms(lambda: att(q, cache), warmup, iters)
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile: report, go on
+                row[f"triton_{bm}x{bn}w{warps}s{stages}"] = f"error: {type(exc).__name__}: {str(exc)[:120]}"
+                continue
+            row[f"triton_{bm}x{bn}w{warps}s{stages}_ms"] = ms
+            if best is None or ms < best[0]:
+                best = (ms, (bm, bn, warps, stages))
+        TritonPagedAttention.BLOCK_M, TritonPagedAttention.BLOCK_N = 64, 64
+        TritonPagedAttention.NUM_WARPS, TritonPagedAttention.NUM_STAGES = 4, 2
+        if best:
+            row["triton_ms"], row["triton_config"] = best
+        ref = TorchPagedAttention(tables, ctx, anc, bs, Hq // Hkv)
+        try:
+            row["torch_paged_ms"] = cuda_ms(lambda: ref(q, cache), warmup, iters)
+        except Exception as exc:  # noqa: BLE001
+            row["torch_paged"] = f"error: {type(exc).__name__}"
+        k = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        qh = q.transpose(1, 2).contiguous()
+        for name, backend in (("sdpa_flash_nomask_ms", SDPBackend.FLASH_ATTENTION),
+                              ("sdpa_cudnn_nomask_ms", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                with sdpa_kernel([backend]):
+                    row[name] = cuda_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+                        qh, k, v, enable_gqa=True), warmup, iters)
+            except Exception:  # noqa: BLE001 - GQA not taken by this kernel: repeat K/V per head
+                kr, vr = k.repeat_interleave(Hq // Hkv, 1), v.repeat_interleave(Hq // Hkv, 1)
+                try:
+                    with sdpa_kernel([backend]):
+                        row[name] = cuda_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qh, kr, vr),
+                                            warmup, iters)
+                    row[name.replace("_ms", "_kv_repeated")] = True
+                except Exception as exc:  # noqa: BLE001
+                    row[name.replace("_ms", "")] = f"error: {type(exc).__name__}: {str(exc)[:100]}"
+                del kr, vr
+        torch.cuda.empty_cache()
+        rows.append(row)
+        log("[attn]", json.dumps({k2: (round(v2, 4) if isinstance(v2, float) else v2) for k2, v2 in row.items()}))
+    return rows
+
+
+# -- 4. verify step ---------------------------------------------------------------------------
+def fill(engine: Engine, n: int, context: int) -> list:
+    c = engine.model.config
+    seqs = []
+    for _ in range(n):
+        s = engine.new_sequence()
         for start in range(0, context, 256):
-            n = min(256, context - start)
-            seq.append(torch.randn(c.n_layer, 2, n, c.n_head_kv, c.head_dim, generator=g,
-                                   device=engine.cache.device, dtype=engine.model.dtype))
-        seqs.append(seq)
+            m = min(256, context - start)
+            s.append(torch.randn(c.n_layer, 2, m, c.n_head_kv, c.head_dim, device=engine.device,
+                                 dtype=engine.model.dtype))
+        seqs.append(s)
     return seqs
 
 
-def check_tree_vs_chain(device: torch.device) -> float:
-    """Max |tree logits - chain logits| over all nodes, float32, small random qwen2 model, this device."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    model = Decoder.random(ModelConfig.tiny("qwen2"), dtype=torch.float32, device=device, seed=1)
-    engine = Engine(model, num_blocks=64, block_size=4)
-    rng = np.random.default_rng(0)
-    prefix = rng.integers(0, 512, size=37).tolist()
-    tokens, parents = random_tree(24, rng, 512)
-    seq = engine.new_sequence()
-    engine.prefill(seq, prefix)
-    tree = engine.decode([seq], [(tokens, parents)]).logits[0]
-    seq.close()
-    worst = 0.0
-    for node in range(len(tokens)):
-        path, n = [], node
-        while n >= 0:
-            path.append(n)
-            n = parents[n]
-        seq = engine.new_sequence()
-        engine.prefill(seq, prefix)
-        for i in reversed(path):
-            out = engine.decode([seq], [([tokens[i]], [-1])])
-            engine.commit(seq, out, 0, [0])
-        seq.close()
-        worst = max(worst, float((out.logits[0, 0] - tree[node]).abs().max()))
-    return worst
-
-
-def bench(args: argparse.Namespace) -> dict:
+def bench_steps(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dict]:
     device = torch.device(args.device)
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[args.dtype]
-    config = ModelConfig.tiny("qwen2") if args.small else ModelConfig.qwen2_1_5b()
     batches = [int(b) for b in args.batches.split(",")]
     trees = [int(t) for t in args.trees.split(",")]
-    timer = Timer(device)
-    started = time.perf_counter()
-    model = Decoder.random(config, dtype=dtype, device=device, max_positions=args.context + max(trees) + 8)
-    per_seq = -(-(args.context + max(trees)) // args.block_size)
-    engine = Engine(model, num_blocks=max(batches) * per_seq + 1, block_size=args.block_size)
-    meta = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "cuda": torch.version.cuda, "dtype": args.dtype,
-            "config": config.__dict__, "params": config.n_params, "context": args.context,
-            "block_size": args.block_size, "warmup": args.warmup, "iters": args.iters,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "kv_cache_bytes": engine.cache.kv.numel() * engine.cache.kv.element_size()}
-    meta["tree_vs_chain_max_abs_diff_fp32"] = check_tree_vs_chain(device)
-    if device.type == "cuda":
-        meta["sdpa_backends_accepting_tree_mask"] = sdpa_probe(config, dtype, device, args.context)
-    print(f"[bench] {meta['device_name']}, torch {torch.__version__}, {config.n_params / 1e9:.3f} B params "
-          f"({args.dtype}), context {args.context}; tree-vs-chain max |diff| (fp32 tiny model) "
-          f"{meta['tree_vs_chain_max_abs_diff_fp32']:.2e}", flush=True)
-    rng = np.random.default_rng(0)
+    model = TransformerLM.random(config, dtype=dtype, device=device, max_positions=args.context + 256)
     rows = []
-    for B in batches:
-        seqs = fill_context(engine, B, args.context, seed=B)
-        for T in trees:
-            batch_trees = [random_tree(T, rng, config.vocab_size) for _ in range(B)]
-            accept = [first_child_path(p, 3) for _, p in batch_trees]
+    attentions = args.attention.split(",")
+    per_seq = -(-(args.context + max(trees)) // 16) + 2
+    for attention in attentions:
+        engine = Engine(model, num_blocks=max(batches) * per_seq + 8, block_size=16, attention=attention,
+                        cuda_graphs=device.type == "cuda" and not args.no_graph)
+        rng = np.random.default_rng(0)
+        for B in batches:
+            seqs = fill(engine, B, args.context)
+            for T in trees:
+                steps = []
+                for s in seqs:
+                    parents = random_parents(T, rng)
+                    steps.append(TreeStep(s, rng.integers(0, config.vocab_size, size=T).tolist(), parents))
+
+                def step() -> None:
+                    engine.verify(steps)
+                    for s in seqs:
+                        s.truncate(args.context)
+
+                row = {"attention": attention, "batch": B, "tree": T, "context": args.context}
+                t0 = time.perf_counter()
+                step()
+                row["first_step_s"] = round(time.perf_counter() - t0, 2)   # includes the graph capture
+                row["step_ms"] = wall_ms(step, args.warmup, args.iters)
+                if engine.cuda_graphs:
+                    st = next(v for k, v in engine._static.items() if k[:2] == (_bucket(B), _bucket(T)))
+                    graph = next(iter(st.graph.values()))[0]
+                    row["replay_ms"] = cuda_ms(graph.replay, args.warmup, args.iters)
+                if ceil:
+                    w = config.n_params * 2
+                    row["floor_ms"] = 1000 * max(w / ceil["copy_bytes_per_s"],
+                                                 2 * config.n_params * B * T / ceil["bf16_flop_per_s"])
+                rows.append(row)
+                log("[step]", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
+            for s in seqs:
+                s.close()
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    return rows
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def bench_hf(args, config: ModelConfig) -> list[dict]:
+    """HF transformers at the same shape, same run: forward of T tokens over a context of
+    args.context in a DynamicCache, argmax to the host, crop the cache back."""
+    from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+    hf_config = Qwen2Config(vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.d_ff,
+                            num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
+                            num_key_value_heads=config.n_head_kv, max_position_embeddings=args.context + 512,
+                            rope_theta=config.rope_theta, tie_word_embeddings=True, torch_dtype=torch.bfloat16)
+    hf_config._attn_implementation = "sdpa"
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(hf_config).to(torch.bfloat16).eval()
+    rows = []
+    for B in [int(b) for b in args.batches.split(",")]:
+        ctx_ids = torch.randint(0, config.vocab_size, (B, args.context), device="cuda")
+        with torch.no_grad():
+            cache = DynamicCache()
+            model(ctx_ids, past_key_values=cache, use_cache=True)
+        for T in [int(t) for t in args.trees.split(",")]:
+            ids = torch.randint(0, config.vocab_size, (B, T), device="cuda")
 
             def step() -> None:
-                out = engine.decode(seqs, batch_trees)
-                argmax = out.logits.argmax(dim=-1).cpu()  # greedy decision needs these on the host
-                assert argmax.shape == (B, T)
-                for b, seq in enumerate(seqs):
-                    engine.commit(seq, out, b, accept[b])
-                    seq.truncate(args.context)
-
-            x = engine.inputs(seqs, batch_trees)
-
-            def forward() -> None:
                 with torch.no_grad():
-                    engine.forward(x)
+                    out = model(ids, past_key_values=cache, use_cache=True)
+                    out.logits.argmax(-1).cpu()
+                cache.crop(args.context)
 
-            row = {"batch": B, "tree": T, "tokens": B * T}
-            row["step_ms"] = timer(step, args.warmup, args.iters)
-            row["forward_ms"] = timer(forward, args.warmup, args.iters)
-            if device.type == "cuda" and not args.no_graph:
-                try:
-                    row["graph_ms"] = time_graph(engine, x, timer, args)
-                except Exception as exc:  # noqa: BLE001 - report, keep the eager numbers
-                    row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
-            if device.type != "cuda" or args.small:  # the floor is the H200's, for the real shape only
-                rows.append(row)
-                print(f"[bench] B={B} T={T}: step {row['step_ms']:.3f} ms, forward {row['forward_ms']:.3f} ms", flush=True)
-                continue
-            weights = config.n_params * torch.finfo(dtype).bits // 8
-            kv_read = B * args.context * config.kv_elements_per_token * torch.finfo(dtype).bits // 8
-            row["floor_ms"] = 1000 * max(weights / HBM_BYTES_S, 2 * config.n_params * B * T / BF16_FLOP_S)
-            row["floor_with_kv_ms"] = 1000 * max((weights + kv_read) / HBM_BYTES_S, 2 * config.n_params * B * T / BF16_FLOP_S)
-            row["hf_ms"] = HF_BASELINE_MS.get(B, {}).get(T) if args.context == 1024 else None
-            rows.append(row)
-            print(f"[bench] B={B} T={T}: step {row['step_ms']:.3f} ms, forward {row['forward_ms']:.3f} ms, "
-                  f"graph {row.get('graph_ms', float('nan')):.3f} ms {row.get('graph_error', '')}", flush=True)
-        for seq in seqs:
-            seq.close()
-    if device.type == "cuda":
-        meta["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
-    meta["wall_s"] = round(time.perf_counter() - started, 1)
-    return {"meta": meta, "rows": rows}
-
-
-def sdpa_probe(config: ModelConfig, dtype: torch.dtype, device: torch.device, context: int) -> dict:
-    """Which SDPA kernels take this engine's call (packed GQA rows, boolean mask) at B=8, T=64."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    B, T, G = 8, 64, config.group
-    q = torch.randn(B, config.n_head_kv, G * T, config.head_dim, dtype=dtype, device=device)
-    k = torch.randn(B, config.n_head_kv, context + T, config.head_dim, dtype=dtype, device=device)
-    mask = torch.rand(B, 1, G * T, context + T, device=device) > 0.5
-    mask[..., 0] = True
-    found = {}
-    for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
-        backend = getattr(SDPBackend, name, None)
-        if backend is None:
-            continue
-        try:
-            with sdpa_kernel([backend]):
-                torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=mask)
-            torch.cuda.synchronize()
-            found[name] = True
-        except RuntimeError as exc:
-            found[name] = f"no: {str(exc).splitlines()[0][:120]}"
-    return found
-
-
-def time_graph(engine: Engine, x, timer: Timer, args: argparse.Namespace) -> float:
-    """Capture engine.forward(x) as a CUDA graph (static inputs) and time its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.no_grad():
-        for _ in range(2):  # warm up on a side stream before capture, as torch.cuda.graphs advises
-            engine.forward(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        engine.forward(x)
-    ms = timer(graph.replay, args.warmup, args.iters)
-    del graph
-    return ms
-
-
-def table(result: dict) -> str:
-    m = result["meta"]
-    lines = ["| batch | tree tokens T | tokens per forward | step (ms) | forward eager (ms) | forward CUDA graph (ms) "
-             "| HF step (ms) | floor (ms) | step / floor | graph / floor |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    def ms(v: float | None, fmt: str = ".2f") -> str:
-        return "—" if v is None else format(v, fmt)
-
-    def ratio(v: float | None, floor: float | None) -> str:
-        return "—" if v is None or not floor else format(v / floor, ".1f") + "x"
-
-    for r in result["rows"]:
-        graph, floor = r.get("graph_ms"), r.get("floor_ms")
-        lines.append(f"| {r['batch']} | {r['tree']} | {r['tokens']} | {ms(r['step_ms'])} | {ms(r['forward_ms'])} | "
-                     f"{ms(graph)} | {ms(r.get('hf_ms'), '.1f')} | {ms(floor)} | {ratio(r['step_ms'], floor)} | "
-                     f"{ratio(graph, floor)} |")
-    head = (f"{m['device_name']}, torch {m['torch']} (CUDA {m['cuda']}), {m['dtype']}, "
-            f"{m['params'] / 1e9:.3f} B params (random), context {m['context']}, block size {m['block_size']}, "
-            f"median of {m['iters']} after {m['warmup']} warm-up, {m['date']}")
-    return head + "\n\n" + "\n".join(lines)
+            rows.append({"batch": B, "tree": T, "hf_ms": wall_ms(step, max(3, args.warmup // 3), args.iters)})
+            log("[hf]", json.dumps(rows[-1]))
+    torch.cuda.empty_cache()
+    return rows
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--small", action="store_true", help="tiny model, context 64, T 1/4/8, B 1/2 (smoke test)")
-    p.add_argument("--context", type=int, default=None)
-    p.add_argument("--batches", default=None, help="comma-separated (default 1,8)")
-    p.add_argument("--trees", default=None, help="comma-separated (default 1,16,64,128)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--iters", type=int, default=None)
-    p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replay column")
-    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--small", action="store_true", help="tiny model, context 64 (smoke test, any device)")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--trees", default="1,16,64,128")
+    p.add_argument("--attention", default="triton,torch", help="engine attention variants to time")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--no-graph", action="store_true")
+    p.add_argument("--skip", default="", help="comma-separated sections to skip: ceilings,checks,attention,step,hf")
+    p.add_argument("--attention-shapes", default="8x4096,32x2048,8x32768")
+    p.add_argument("--out", default=None, help="write all results here (JSON)")
     args = p.parse_args()
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    args.context = args.context or (64 if args.small else 1024)
-    args.batches = args.batches or ("1,2" if args.small else "1,8")
-    args.trees = args.trees or ("1,4,8" if args.small else "1,16,64,128")
-    args.warmup = 2 if args.small and args.warmup is None else (args.warmup or 10)
-    args.iters = 5 if args.small and args.iters is None else (args.iters or 50)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("no CUDA device visible to torch", file=sys.stderr)
+    skip = set(filter(None, args.skip.split(",")))
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        log("no CUDA device visible to torch")
         return 2
-    result = bench(args)
-    print()
-    print(table(result))
-    print()
-    print(json.dumps(result, default=str))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    if args.small:
+        args.context, args.batches, args.trees, args.warmup, args.iters = 64, "1,2", "1,4", 1, 3
+        if not cuda:
+            args.attention = "torch"
+    result: dict = {"meta": {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+        "cuda": torch.version.cuda, "argv": sys.argv[1:]}}
+    try:
+        import triton
+        result["meta"]["triton"] = triton.__version__
+    except ImportError:
+        pass
+    ceil = None
+    if cuda and "ceilings" not in skip:
+        ceil = result["ceilings"] = ceilings()
+        log("[ceilings]", json.dumps(ceil))
+    if cuda and "checks" not in skip:
+        result["kernel_check_rel_err"] = check_kernel()
+        log("[check] triton kernel vs float64 reference, relative error:", json.dumps(result["kernel_check_rel_err"]))
+        result["engine_checks"] = [check_engine(a) for a in ("triton", "torch")]
+        log("[check] engine with CUDA graphs vs accept_greedy on eager logits:", json.dumps(result["engine_checks"]))
+    if cuda and ceil and "attention" not in skip:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.attention_shapes.split(",")]
+        result["attention"] = bench_attention(shapes, 64, args.warmup, args.iters, ceil)
+    config = ModelConfig.tiny("qwen2") if args.small else ModelConfig.qwen2_1_5b()
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if "step" not in skip:
+        result["step"] = bench_steps(args, config, dtype, ceil)
+    if cuda and not args.small and "hf" not in skip:
+        try:
+            result["hf"] = bench_hf(args, config)
+        except Exception as exc:  # noqa: BLE001 - report, keep the rest
+            result["hf_error"] = f"{type(exc).__name__}: {exc}"[:400]
+            log("[hf] failed:", result["hf_error"])
+    result["meta"]["params"] = config.n_params
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    log(summary(result))
     return 0
+
+
+def summary(result: dict) -> str:
+    lines = []
+    hf = {(r["batch"], r["tree"]): r["hf_ms"] for r in result.get("hf", [])}
+    if result.get("step"):
+        lines.append("| attention | B | T | step ms | graph replay ms | floor ms | step/floor | HF ms | step/HF |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        for r in result["step"]:
+            f, h = r.get("floor_ms"), hf.get((r["batch"], r["tree"]))
+            lines.append(f"| {r['attention']} | {r['batch']} | {r['tree']} | {r['step_ms']:.3f} | "
+                         f"{r.get('replay_ms', math.nan):.3f} | {f or math.nan:.3f} | "
+                         f"{(r['step_ms'] / f) if f else math.nan:.2f} | {h or math.nan:.2f} | "
+                         f"{(r['step_ms'] / h) if h else math.nan:.3f} |")
+    for r in result.get("attention", []):
+        lines.append(f"attention B={r['batch']} L={r['context']}: triton {r.get('triton_ms', math.nan):.4f} "
+                     f"({r.get('triton_config')}), torch paged {r.get('torch_paged_ms', math.nan):.4f}, "
+                     f"cuDNN no-mask {r.get('sdpa_cudnn_nomask_ms', math.nan):.4f}, flash no-mask "
+                     f"{r.get('sdpa_flash_nomask_ms', math.nan):.4f}, floor {r['floor_ms']:.4f} ms")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,11 @@ trees per forward, with acceptance decided on the device and the step replayed a
     d.path, d.next_token, d.margins                         # seq now holds the root + accepted path
 
 One step, for B sequences with trees of up to T nodes (both rounded up to a bucket: powers of two):
-1. host: reserve blocks for each tree (slots ctx_len + i), pack tokens, positions, slots, parents,
-   depths, ancestor masks, block tables (and sampling parameters and uniforms) into ONE int64 and
-   ONE float64 buffer, copied to the device in two transfers;
-2. device (one CUDA graph per (B, T, context blocks, mode) bucket, captured on first use): forward
+1. host: reserve blocks for each tree (slots ctx_len + i), pack tokens, parents, block tables and
+   context lengths (and, when sampling, parameters and one uniform per node) into ONE int64 (and
+   one float64) buffer, copied to the device in one transfer each;
+2. device (one CUDA graph per (B, T, context blocks, mode) bucket, captured on first use): depths,
+   ancestor masks, positions and write slots from the parents and tables, the forward
    (each layer writes its K/V into the tree slots, then attends over the paged cache: see
    tree_attention.py and triton_attention.py), float32 logits, each node's choice (greedy argmax,
    or the target-sample rule's inverse CDF of p at the host's uniform), the accepted path (a node is
@@ -96,16 +97,15 @@ class _Static:
     floats: torch.Tensor
     host_ints: torch.Tensor
     host_floats: torch.Tensor
+    host: dict[str, np.ndarray] = field(default_factory=dict)     # numpy views of host_ints/host_floats
     out: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     graph: object | None = None
-    runs: int = 0
 
 
 def layout(B: int, T: int, NB: int) -> dict[str, tuple[int, tuple[int, ...]]]:
     """Offsets and shapes of each input inside the packed int64 buffer."""
-    fields = [("tokens", (B, T)), ("positions", (B, T)), ("slots", (B, T)), ("parents", (B, T)),
-              ("depth", (B, T)), ("valid", (B, T)), ("anc", (B, T, T)), ("tables", (B, NB)), ("ctx", (B,)),
+    fields = [("tokens", (B, T)), ("parents", (B, T)), ("sizes", (B,)), ("tables", (B, NB)), ("ctx", (B,)),
               ("compact", (B,)), ("greedy", (B,)), ("top_k", (B,))]
     out, off = {}, 0
     for name, shape in fields:
@@ -157,6 +157,28 @@ def sample_choice(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     token = torch.searchsorted(cum, target, right=True).squeeze(-1)
     last_nonzero = V - 1 - (p > 0).flip(-1).to(torch.int8).argmax(-1)      # as sample_inverse_cdf clamps
     return torch.minimum(token, last_nonzero)
+
+
+def ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """[B, T, T] bool ancestor-or-self masks from parents [B, T] (root and padding nodes are their own
+    parents), by pointer doubling: log2(T) boolean matrix squarings, on the device."""
+    B, T = parents.shape
+    anc = torch.zeros(B, T, T, dtype=torch.float32, device=parents.device)
+    anc.scatter_(2, parents[:, :, None], 1.0)
+    anc += torch.eye(T, device=parents.device)
+    anc = anc.clamp_(max=1.0)
+    for _ in range(max(1, (T - 1).bit_length())):
+        anc = torch.bmm(anc, anc).clamp_(max=1.0)
+    return anc > 0
+
+
+def slot_of(tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat cache slots [B * P] of positions pos [B, P] through block tables [B, NB]; positions past
+    the table land in the null block (their contents are never attended to)."""
+    NB = tables.shape[1]
+    blk = pos // block_size
+    b = tables.gather(1, blk.clamp(max=NB - 1))
+    return (torch.where(blk < NB, b, 0) * block_size + pos % block_size).flatten()
 
 
 class Engine:
@@ -248,7 +270,8 @@ class Engine:
         bs = self.cache.block_size
         T_real = max(len(s.tokens) for s in steps)
         for s in steps:
-            self._check_positions(s.seq.length + int(depths(s.parents).max()) + 1)
+            if s.seq.length + len(s.tokens) > self.model.rope.max_positions:  # near the end: exact depth
+                self._check_positions(s.seq.length + int(depths(s.parents).max()) + 1)
         reserved = []
         try:
             for s in steps:
@@ -269,7 +292,7 @@ class Engine:
             mode = SAMPLE
         st = self._buffers(B, T, NB)
         self._pack(st, steps, B, T, NB, bs)
-        out = self._run(st, (B, T, NB, mode), mode).cpu()
+        out = self._run(st, (B, T, NB, mode), mode).cpu().numpy()
         self.stats["steps"] += 1
         decisions = []
         for b, s in enumerate(steps):
@@ -277,9 +300,8 @@ class Engine:
                 decisions.append(self._decide_on_host(st, b, s, T, NB))
                 continue
             k = int(out[b, 1])
-            path = [int(x) for x in out[b, 2:3 + k]]
-            margins = [float(x) for x in out[b, 2 + T:3 + T + k]]
-            decisions.append(Decision(path[1:], int(out[b, 0]), margins))
+            decisions.append(Decision(out[b, 3:3 + k].astype(np.int64).tolist(), int(out[b, 0]),
+                                      out[b, 2 + T:3 + T + k].tolist()))
         for s, d in zip(steps, decisions):
             s.seq.length += 1 + len(d.path)
             s.seq.trim()
@@ -295,50 +317,49 @@ class Engine:
                          floats=torch.zeros(n_float, dtype=torch.float64, device=self.device),
                          host_ints=torch.zeros(n_int, dtype=torch.int64, pin_memory=pin),
                          host_floats=torch.zeros(n_float, dtype=torch.float64, pin_memory=pin))
+            st.host = {k: v.numpy() for k, v in _views(st.host_ints, layout(B, T, NB)).items()}
+            st.host.update({k: v.numpy() for k, v in _views(st.host_floats, float_layout(B, T)).items()})
             self._static[key] = st
         return st
 
     def _pack(self, st: _Static, steps: Sequence[TreeStep], B: int, T: int, NB: int, bs: int) -> None:
-        """Fill the host staging buffers for this step (padding rows: valid 0, null blocks)."""
-        iv = _views(st.host_ints, layout(B, T, NB))
-        fv = _views(st.host_floats, float_layout(B, T))
-        a = {k: v.numpy() for k, v in iv.items()}
-        f = {k: v.numpy() for k, v in fv.items()}
-        for v in a.values():
-            v.fill(0)
-        f["u"].fill(0.0)
-        f["temperature"].fill(1.0)
-        f["top_p"].fill(1.0)
-        eye = np.eye(T, dtype=np.int64)
-        a["anc"][:] = eye
+        """Fill the host staging buffers (padding rows: size 0, null blocks) and copy them over.
+        Only tokens, parents and tables per sequence: depths, ancestor masks, positions and slots
+        are derived on the device (part of the graph), so the host work is a few array copies."""
+        a = st.host
+        a["tokens"].fill(0)
+        a["parents"][:] = np.arange(T)        # padding nodes are their own parents
+        a["sizes"].fill(0)
+        a["tables"].fill(0)
+        a["ctx"].fill(0)
+        a["compact"].fill(0)
+        a["greedy"].fill(1)
+        a["top_k"].fill(0)
+        sampled = False
         for b, s in enumerate(steps):
-            n, L = len(s.tokens), s.seq.length
-            parents = np.asarray(s.parents, dtype=np.int64)
-            d = depths(parents)
+            n = len(s.tokens)
             a["tokens"][b, :n] = s.tokens
-            a["depth"][b, :n] = d
-            a["positions"][b, :n] = L + d
-            a["positions"][b, n:] = L
-            a["parents"][b, 1:n] = parents[1:]
-            a["valid"][b, :n] = 1
-            a["anc"][b, :n, :n] = ancestor_mask(parents)
+            a["parents"][b, 1:n] = s.parents[1:]
+            a["parents"][b, 0] = 0
+            a["sizes"][b] = n
             a["tables"][b, :len(s.seq.blocks)] = s.seq.blocks
-            a["ctx"][b] = L
+            a["ctx"][b] = s.seq.length
             decided_here = s.host_rule is None
-            a["compact"][b] = int(decided_here)
-            a["greedy"][b] = int(s.sampling.greedy or not decided_here)
-            a["top_k"][b] = s.sampling.top_k
+            a["compact"][b] = decided_here
             if decided_here and not s.sampling.greedy:
-                f["temperature"][b] = s.sampling.temperature
-                f["top_p"][b] = s.sampling.top_p
-                f["u"][b, :n] = [uniform(s.sampling.seed, s.step, i) for i in range(n)]
-        # write slots: position ctx + i through the block table (past the table: the null block)
-        pos = a["ctx"][:, None] + np.arange(T)[None, :]
-        blk = pos // bs
-        in_table = blk < NB
-        a["slots"][:] = np.where(in_table, np.take_along_axis(a["tables"], np.minimum(blk, NB - 1), 1), 0) * bs + pos % bs
+                if not sampled:
+                    a["u"].fill(0.0)
+                    a["temperature"].fill(1.0)
+                    a["top_p"].fill(1.0)
+                    sampled = True
+                a["greedy"][b] = 0
+                a["top_k"][b] = s.sampling.top_k
+                a["temperature"][b] = s.sampling.temperature
+                a["top_p"][b] = s.sampling.top_p
+                a["u"][b, :n] = [uniform(s.sampling.seed, s.step, i) for i in range(n)]
         st.ints.copy_(st.host_ints, non_blocking=True)
-        st.floats.copy_(st.host_floats, non_blocking=True)
+        if sampled:
+            st.floats.copy_(st.host_floats, non_blocking=True)
 
     def _run(self, st: _Static, key: tuple, mode: int) -> torch.Tensor:
         """The step function, eager or as a CUDA graph captured on the bucket's first use."""
@@ -378,11 +399,14 @@ class Engine:
         iv = _views(st.ints, layout(B, T, NB))
         fv = _views(st.floats, float_layout(B, T))
         bs = self.cache.block_size
-        anc = iv["anc"].bool()
-        attend = self.attention_cls(iv["tables"], iv["ctx"], anc, bs, self.model.config.group)
-        logits = self.model(iv["tokens"], iv["positions"], iv["slots"].flatten(), self.cache.flat, attend)
-        tokens, parents, depth = iv["tokens"], iv["parents"], iv["depth"]
-        valid = iv["valid"].bool()
+        tokens, parents, ctx = iv["tokens"], iv["parents"], iv["ctx"]
+        node = torch.arange(T, device=tokens.device)
+        valid = node[None, :] < iv["sizes"][:, None]
+        anc = ancestors(parents)
+        depth = anc.sum(-1) - 1
+        slots = slot_of(iv["tables"], ctx[:, None] + node[None, :], bs)
+        attend = self.attention_cls(iv["tables"], ctx, anc, bs, self.model.config.group)
+        logits = self.model(tokens, ctx[:, None] + depth, slots, self.cache.flat, attend)
         argmax = logits.argmax(-1)
         top2 = logits.topk(2, dim=-1).values
         margin = top2[..., 0] - top2[..., 1]
@@ -392,7 +416,6 @@ class Engine:
             sampled = sample_choice(logits, fv["temperature"], iv["top_k"], fv["top_p"], fv["u"],
                                     mode == SAMPLE_TRUNCATED, self.sample_dtype)
             choice = torch.where(iv["greedy"].bool()[:, None], argmax, sampled)
-        node = torch.arange(T, device=logits.device)
         match = (tokens == choice.gather(1, parents)) & valid
         match = match | (node == 0)[None, :]
         accepted = ~(anc & ~match[:, None, :]).any(-1) & valid                 # every ancestor matches
@@ -417,14 +440,9 @@ class Engine:
         src = ctx[:, None] + torch.where(use, path, d)
         dst = ctx[:, None] + d
 
-        def slot(pos: torch.Tensor) -> torch.Tensor:
-            blk = pos // bs
-            b = tables.gather(1, blk.clamp(max=NB - 1))
-            return (torch.where(blk < NB, b, 0) * bs + pos % bs).flatten()
-
         flat = self.cache.flat
-        rows = flat.index_select(2, slot(src))
-        flat.index_copy_(2, slot(dst), rows)
+        rows = flat.index_select(2, slot_of(tables, src, bs))
+        flat.index_copy_(2, slot_of(tables, dst, bs), rows)
 
     def _decide_on_host(self, st: _Static, b: int, s: TreeStep, T: int, NB: int) -> Decision:
         """A tree under a host rule: read its logits rows, decide with common/acceptance.py, compact."""

@@ -142,6 +142,8 @@ class TritonPagedAttention:
 
     BLOCK_M = 64
     BLOCK_N = 64
+    NUM_WARPS = 4
+    NUM_STAGES = 2
 
     def __init__(self, tables: torch.Tensor, ctx_lens: torch.Tensor, anc: torch.Tensor, block_size: int,
                  group: int, nsplit: int | None = None) -> None:
@@ -178,7 +180,7 @@ class TritonPagedAttention:
             1.0 / math.sqrt(D), cache.stride(0), self.tables.shape[1], T, G, W, MT,
             MAX_TILES=triton.cdiv(triton.cdiv(self.max_keys + T, self.BLOCK_N), ns) if INTERPRET else 0,
             INTERPRET=INTERPRET, H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N,
-            num_warps=4, num_stages=2)
+            num_warps=self.NUM_WARPS, num_stages=self.NUM_STAGES)
         out = torch.empty_like(q)
         block_r = 32
         _tree_attn_merge[(B * Hkv, triton.cdiv(MT, block_r))](

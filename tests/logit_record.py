@@ -15,13 +15,14 @@ when `edgespec.runtime.llama` is imported, and each tree is written to a file in
 from __future__ import annotations
 
 import atexit
+import hashlib
 import itertools
 import os
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ import numpy as np
 
 ENV_DIR = "EDGESPEC_TEST_LOGITS_DIR"
 TOP_K = 64            # logits kept per node row: a near-tie's two tokens are always among them
-MAX_IN_PROCESS = 200_000  # node rows kept in this process (oldest dropped first), ~100 MB at most
+MAX_IN_PROCESS = 100_000  # node rows kept in this process (oldest dropped first), ~60 MB at most
 SITE_DIR = Path(__file__).resolve().parent / "logit_site"
 
 
@@ -62,16 +63,20 @@ class TreeRecord:
     t_ns: int            # CLOCK_MONOTONIC, comparable across processes of this machine
     pid: int
     model: str           # model file name
-    base: np.ndarray     # committed tokens before the root (sequence 0 of the KV cache)
+    base_len: int        # committed tokens before the root (sequence 0 of the KV cache) ...
+    base_hash: bytes     # ... and their digest (base_digest), not the tokens: records stay small
     tokens: np.ndarray
     parents: np.ndarray
     top_ids: np.ndarray  # (nodes, TOP_K)
     top_vals: np.ndarray
 
-    def node_for(self, context: Sequence[int]) -> int | None:
-        """The node whose row predicts the token after `context` (base + root + path), if any."""
-        nb = len(self.base)
-        if not nb < len(context) <= nb + len(self.tokens) or not np.array_equal(self.base, context[:nb]):
+    def node_for(self, context: Sequence[int], prefix_digest: Callable[[int], bytes] | None = None) -> int | None:
+        """The node whose row predicts the token after `context` (base + root + path), if any;
+        prefix_digest(n): base_digest(context[:n]), cached by the caller."""
+        nb = self.base_len
+        if not nb < len(context) <= nb + len(self.tokens):
+            return None
+        if (prefix_digest(nb) if prefix_digest else base_digest(context[:nb])) != self.base_hash:
             return None
         node = 0
         if self.tokens[0] != context[nb]:
@@ -103,6 +108,10 @@ _loaded: dict[str, TreeRecord] = {}
 _out_dir: str | None = None   # set in verifier children: records go to files there
 
 
+def base_digest(tokens: Sequence[int]) -> bytes:
+    return hashlib.blake2b(np.asarray(tokens, np.int32).tobytes(), digest_size=16).digest()
+
+
 def _top_rows(logits: np.ndarray) -> list[Row]:
     k = min(TOP_K, logits.shape[1])
     part = np.argpartition(-logits, k - 1, axis=1)[:, :k]
@@ -117,7 +126,7 @@ def _store(ctx, base: list[int], tokens: Sequence[int], parents: Sequence[int], 
     global _n_rows
     rows = _top_rows(logits)
     rec = TreeRecord(time.monotonic_ns(), os.getpid(), Path(str(ctx.model.path)).name,
-                     np.asarray(base, np.int32), np.asarray(tokens, np.int32), np.asarray(parents, np.int32),
+                     len(base), base_digest(base), np.asarray(tokens, np.int32), np.asarray(parents, np.int32),
                      np.stack([r.ids for r in rows]), np.stack([r.vals for r in rows]))
     captured = getattr(_local, "capture", None)
     if captured is not None:        # a reference computation: kept apart from the verifier's records
@@ -125,8 +134,8 @@ def _store(ctx, base: list[int], tokens: Sequence[int], parents: Sequence[int], 
         return
     if _out_dir is not None:   # a verifier child: hand the record to the test process
         path = Path(_out_dir) / f"{rec.pid}-{next(_seq):07d}.npz"
-        np.savez(path.with_suffix(".tmp.npz"), t_ns=rec.t_ns, pid=rec.pid, model=rec.model, base=rec.base,
-                 tokens=rec.tokens, parents=rec.parents, top_ids=rec.top_ids, top_vals=rec.top_vals)
+        np.savez(path.with_suffix(".tmp.npz"), t_ns=rec.t_ns, pid=rec.pid, model=rec.model, base_len=rec.base_len,
+                 base_hash=np.frombuffer(rec.base_hash, np.uint8), tokens=rec.tokens, parents=rec.parents, top_ids=rec.top_ids, top_vals=rec.top_vals)
         os.replace(path.with_suffix(".tmp.npz"), path)
         return
     with _lock:
@@ -188,8 +197,9 @@ def _child_records() -> list[TreeRecord]:
     for name in os.listdir(out_dir):
         if name.endswith(".npz") and not name.endswith(".tmp.npz") and name not in _loaded:
             with np.load(os.path.join(out_dir, name)) as z:
-                _loaded[name] = TreeRecord(int(z["t_ns"]), int(z["pid"]), str(z["model"]), z["base"], z["tokens"],
-                                           z["parents"], z["top_ids"], z["top_vals"])
+                _loaded[name] = TreeRecord(int(z["t_ns"]), int(z["pid"]), str(z["model"]), int(z["base_len"]),
+                                           z["base_hash"].tobytes(), z["tokens"], z["parents"], z["top_ids"],
+                                           z["top_vals"])
     return list(_loaded.values())
 
 
@@ -204,10 +214,17 @@ def latest(context: Sequence[int], model: str | None = None, *, here: bool | Non
         if here is not True:
             records += _child_records()
     context = np.asarray(context, np.int32)
+    digests: dict[int, bytes] = {}
+
+    def prefix_digest(n: int) -> bytes:
+        if n not in digests:
+            digests[n] = base_digest(context[:n])
+        return digests[n]
+
     for rec in sorted(records, key=lambda r: r.t_ns, reverse=True):
         if model is not None and rec.model != model:
             continue
-        node = rec.node_for(context)
+        node = rec.node_for(context, prefix_digest)
         if node is not None:
             return rec, node
     return None

@@ -51,3 +51,55 @@ def test_triton_kernel_equals_reference(nsplit):
     out = kernel(q, cache)
     for b, n in enumerate(sizes):
         assert torch.allclose(out[b, :n], ref[b, :n], atol=1e-5), float((out[b, :n] - ref[b, :n]).abs().max())
+
+
+def test_fused_ops_equal_torch_references():
+    from edgespec.verifier.torch import fused
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 64, generator=g)
+    r = torch.randn(6, 64, generator=g)
+    w = torch.rand(64, generator=g) + 0.5
+    y_ref, x_ref = fused.add_rmsnorm_torch(x.clone(), r, w, 1e-6)
+    y, x_new = fused.add_rmsnorm(x.clone(), r, w, 1e-6)
+    assert torch.allclose(y, y_ref, atol=1e-5) and torch.allclose(x_new, x_ref, atol=1e-6)
+    y, _ = fused.add_rmsnorm(x.clone(), None, w, 1e-6)
+    assert torch.allclose(y, fused.add_rmsnorm_torch(x.clone(), None, w, 1e-6)[0], atol=1e-5)
+    Hq, Hkv, D = 4, 2, 16
+    qkv = torch.randn(6, (Hq + 2 * Hkv) * D, generator=g)
+    cos, sin = torch.rand(6, D // 2, generator=g), torch.rand(6, D // 2, generator=g)
+    slots = torch.tensor([3, 9, 0, 17, 5, 11])
+    cache_ref, cache = torch.zeros(2, 20, Hkv, D), torch.zeros(2, 20, Hkv, D)
+    q_ref = fused.rope_store_torch(qkv, cos, sin, cache_ref, slots, Hq, Hkv)
+    q = fused.rope_store(qkv, cos, sin, cache, slots, Hq, Hkv)
+    assert torch.allclose(q, q_ref, atol=1e-6) and torch.allclose(cache, cache_ref, atol=1e-6)
+    gu = torch.randn(6, 2 * 40, generator=g)
+    assert torch.allclose(fused.silu_mul(gu), fused.silu_mul_torch(gu), atol=1e-6)
+
+
+def test_engine_with_triton_kernels_equals_torch_engine():
+    """The whole verify step with the fused kernels and the Triton attention (interpreted) gives
+    the torch engine's logits and decisions (tiny float32 model)."""
+    from edgespec.verifier.torch.engine import Engine, TreeStep
+    from edgespec.verifier.torch.model import ModelConfig, TransformerLM
+
+    model = TransformerLM.random(ModelConfig.tiny("qwen2"), dtype=torch.float32, seed=2)
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(0, 512, size=21).tolist()
+    tokens = rng.integers(0, 512, size=9).tolist()
+    parents = [-1, 0, 0, 1, 1, 2, 3, 6, 6]
+    out = []
+    for kind in ("torch", "triton"):
+        engine = Engine(model, num_blocks=32, block_size=4, attention=kind, fused=kind == "triton")
+        seq = engine.new_sequence()
+        engine.prefill(seq, prefix)
+        logits = engine.logits(seq, tokens, parents)
+        tokens[1] = int(logits[0].argmax())
+        logits = engine.logits(seq, tokens, parents)
+        [d] = engine.verify([TreeStep(seq, tokens, parents)])
+        out.append((logits, d))
+    model.fused_ops = False
+    assert torch.allclose(out[0][0], out[1][0], atol=1e-4)
+    (_, a), (_, b) = out
+    assert (a.path, a.next_token) == (b.path, b.next_token) and a.path
+    assert np.allclose(a.margins, b.margins, atol=1e-4)

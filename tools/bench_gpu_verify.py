@@ -169,7 +169,7 @@ def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict) -> list
         row = {"batch": B, "context": L, "tree": T, "floor_ms": floor, "hbm_floor_ms": kv_bytes / ceil["copy_bytes_per_s"] * 1000,
                "compute_floor_ms": flops / ceil["bf16_flop_per_s"] * 1000}
         best = None
-        for bm, bn, warps, stages in ((64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 8, 2), (128, 32, 4, 2)):
+        for bm, bn, warps, stages in ((0, 0, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3)):
             TritonPagedAttention.BLOCK_M, TritonPagedAttention.BLOCK_N = bm, bn
             TritonPagedAttention.NUM_WARPS, TritonPagedAttention.NUM_STAGES = warps, stages
             try:
@@ -181,7 +181,7 @@ def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict) -> list
             row[f"triton_{bm}x{bn}w{warps}s{stages}_ms"] = ms
             if best is None or ms < best[0]:
                 best = (ms, (bm, bn, warps, stages))
-        TritonPagedAttention.BLOCK_M, TritonPagedAttention.BLOCK_N = 64, 64
+        TritonPagedAttention.BLOCK_M, TritonPagedAttention.BLOCK_N = 0, 0   # back to the adaptive default
         TritonPagedAttention.NUM_WARPS, TritonPagedAttention.NUM_STAGES = 4, 2
         if best:
             row["triton_ms"], row["triton_config"] = best

@@ -183,10 +183,12 @@ def slot_of(tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.T
 
 class Engine:
     def __init__(self, model: TransformerLM, *, num_blocks: int, block_size: int = 16, prefill_chunk: int = 256,
-                 cuda_graphs: bool | None = None, attention: str = "auto") -> None:
+                 cuda_graphs: bool | None = None, attention: str = "auto", fused: bool | None = None) -> None:
         """attention: "torch" (gather + SDPA, runs anywhere), "triton" (the paged tree-attention
-        kernel, CUDA only) or "auto" (triton on CUDA when it imports, else torch).
-        cuda_graphs: capture each step bucket as a CUDA graph (default: on CUDA)."""
+        kernel; CUDA, or Triton's CPU interpreter in tests) or "auto" (triton on CUDA when it
+        imports, else torch). cuda_graphs: capture each step bucket as a CUDA graph (default: on
+        CUDA). fused: fused.py's Triton kernels for norms, RoPE + cache writes and SiLU (default:
+        on CUDA when triton imports). The float32 CPU path keeps plain torch ops: the reference."""
         c = model.config
         self.model = model
         self.cache = PagedKVCache(c.n_layer, c.n_head_kv, c.head_dim, num_blocks=num_blocks,
@@ -199,9 +201,21 @@ class Engine:
         self.attention = attention if attention != "auto" else (
             "torch" if self.attention_cls is TorchPagedAttention else "triton")
         self.sample_dtype = torch.float64 if not is_cuda else torch.float32
+        if fused is None:
+            fused = is_cuda and self._triton_available()
+        self.fused = bool(fused)
+        model.fused_ops = self.fused
         self._static: dict[tuple, _Static] = {}
         self._pool = None
         self.stats = {"steps": 0, "captures": 0, "replays": 0, "host_decided": 0}
+
+    @staticmethod
+    def _triton_available() -> bool:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False
+        return True
 
     @staticmethod
     def _attention(name: str, is_cuda: bool) -> type:

@@ -175,6 +175,7 @@ class TransformerLM(nn.Module):
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = None if config.tied_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.rope = Rotary(config.head_dim, config.rope_theta, max_positions)
+        self.fused_ops = False  # fused.py's Triton kernels (CUDA); the engine turns them on
         self.requires_grad_(False)
 
     # -- construction -------------------------------------------------------------------------
@@ -222,12 +223,40 @@ class TransformerLM(nn.Module):
         Returns float32 logits [B, T, vocab], or None with logits=False (prefill).
         """
         cos, sin = self.rope(positions)
+        if self.fused_ops:
+            return self._forward_fused(tokens, cos, sin, slots, cache, attend, logits)
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache[i], slots, attend)
         if not logits:
             return None
         return self.head(x)
+
+    def _forward_fused(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                       cache: torch.Tensor, attend: Attention, logits: bool) -> torch.Tensor | None:
+        """The same forward with fused.py's Triton kernels: ten launches per layer (the residual
+        add is folded into the next RMSNorm)."""
+        from edgespec.verifier.torch import fused
+
+        c = self.config
+        B, T = tokens.shape
+        rows = B * T
+        x = self.embed(tokens).view(rows, c.d_model)
+        cos, sin = cos.reshape(rows, -1), sin.reshape(rows, -1)
+        h, x = fused.add_rmsnorm(x, None, self.layers[0].attn_norm.weight, c.norm_eps)
+        for i, layer in enumerate(self.layers):
+            qkv = layer.wqkv(h)
+            q = fused.rope_store(qkv, cos, sin, cache[i], slots, c.n_head, c.n_head_kv)
+            att = attend(q.view(B, T, c.n_head, c.head_dim), cache[i])
+            h, x = fused.add_rmsnorm(x, layer.wo(att.reshape(rows, -1)), layer.ffn_norm.weight, c.norm_eps)
+            down = layer.w2(fused.silu_mul(layer.w13(h)))
+            if i + 1 < len(self.layers):
+                h, x = fused.add_rmsnorm(x, down, self.layers[i + 1].attn_norm.weight, c.norm_eps)
+            else:
+                x = x + down
+        if not logits:
+            return None
+        return self.head(x.view(B, T, c.d_model))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head in float32 (argmax and top-2 margins are decided on these)."""

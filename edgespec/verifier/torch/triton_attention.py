@@ -24,24 +24,33 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _tile(q, KV, Tables, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale, kv_stride_kv, n_tables, T, W,
-          H_KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One key tile of online softmax: keys j0..j0+BLOCK_N-1 read through the block table."""
+          H_KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """One key tile of online softmax: keys j0..j0+BLOCK_N-1 read through the block table. Tiles
+    wholly inside the context (MASKED=False) need no mask at all: every key there is visible."""
     j = j0 + tl.arange(0, BLOCK_N)
-    key_ok = j < end
-    blk = tl.load(Tables + b * n_tables + j // BS, mask=key_ok, other=0)
+    if MASKED:
+        key_ok = j < end
+        blk = tl.load(Tables + b * n_tables + j // BS, mask=key_ok, other=0)
+    else:
+        blk = tl.load(Tables + b * n_tables + j // BS)
     slot = blk * BS + j % BS
     k_ptr = KV + (slot * H_KV + h)[:, None] * D + d[None, :]
-    k = tl.load(k_ptr, mask=key_ok[:, None], other=0.0)
-    v = tl.load(k_ptr + kv_stride_kv, mask=key_ok[:, None], other=0.0)
+    if MASKED:
+        k = tl.load(k_ptr, mask=key_ok[:, None], other=0.0)
+        v = tl.load(k_ptr + kv_stride_kv, mask=key_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr)
+        v = tl.load(k_ptr + kv_stride_kv)
     s = tl.dot(q, tl.trans(k)) * qk_scale
-    rel = j - ctx
-    in_tree = (rel >= 0) & (rel < T) & key_ok
-    rel = tl.where(in_tree, rel, 0)
-    word = tl.load(Bits + (b * T + t)[:, None] * W + (rel // 32)[None, :],
-                   mask=row_ok[:, None] & in_tree[None, :], other=0)
-    bit = (word >> (rel % 32)[None, :]) & 1
-    visible = ((j < ctx)[None, :] | (bit != 0) | (j == 0)[None, :]) & key_ok[None, :]
-    s = tl.where(visible, s, float("-inf"))
+    if MASKED:
+        rel = j - ctx
+        in_tree = (rel >= 0) & (rel < T) & key_ok
+        rel = tl.where(in_tree, rel, 0)
+        word = tl.load(Bits + (b * T + t)[:, None] * W + (rel // 32)[None, :],
+                       mask=row_ok[:, None] & in_tree[None, :], other=0)
+        bit = (word >> (rel % 32)[None, :]) & 1
+        visible = ((j < ctx)[None, :] | (bit != 0) | (j == 0)[None, :]) & key_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
@@ -84,12 +93,21 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L,
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp2 below
     if INTERPRET:  # the CPU interpreter (tests) loops only to a host int: the bucket's maximum
         for it in range(0, MAX_TILES):
-            m_i, l_i, acc = _tile(q, KV, Tables, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, start + it * BLOCK_N,
-                                  end, qk_scale, kv_stride_kv, n_tables, T, W, H_KV, D, BS, BLOCK_N)
+            if start + (it + 1) * BLOCK_N <= tl.minimum(end, ctx):  # a Python branch when interpreted
+                m_i, l_i, acc = _tile(q, KV, Tables, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, start + it * BLOCK_N,
+                                      end, qk_scale, kv_stride_kv, n_tables, T, W, H_KV, D, BS, BLOCK_N, False)
+            else:
+                m_i, l_i, acc = _tile(q, KV, Tables, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, start + it * BLOCK_N,
+                                      end, qk_scale, kv_stride_kv, n_tables, T, W, H_KV, D, BS, BLOCK_N, True)
     else:
-        for it in range(0, tl.cdiv(end - start, BLOCK_N)):
+        # tiles wholly inside the context first (no masks), then the rest (context tail + tree)
+        plain = tl.maximum(tl.minimum(end, ctx) - start, 0) // BLOCK_N
+        for it in range(0, plain):
             m_i, l_i, acc = _tile(q, KV, Tables, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, start + it * BLOCK_N,
-                                  end, qk_scale, kv_stride_kv, n_tables, T, W, H_KV, D, BS, BLOCK_N)
+                                  end, qk_scale, kv_stride_kv, n_tables, T, W, H_KV, D, BS, BLOCK_N, False)
+        for it in range(plain, tl.cdiv(end - start, BLOCK_N)):
+            m_i, l_i, acc = _tile(q, KV, Tables, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, start + it * BLOCK_N,
+                                  end, qk_scale, kv_stride_kv, n_tables, T, W, H_KV, D, BS, BLOCK_N, True)
     base = (pid_bh * NSPLIT + pid_s) * MT + rows
     tl.store(M + base, m_i, mask=row_ok)
     tl.store(L + base, l_i, mask=row_ok)
@@ -140,10 +158,18 @@ class TritonPagedAttention:
     """Same constructor and call as TorchPagedAttention; the split count is fixed per shape bucket
     (tables' width), so the launch is CUDA-graph safe (lengths are read on the device)."""
 
-    BLOCK_M = 64
-    BLOCK_N = 64
+    BLOCK_M = 0      # 0: chosen from the number of query rows (tile_config); benchmarks may pin them
+    BLOCK_N = 0
     NUM_WARPS = 4
     NUM_STAGES = 2
+
+    def tile_config(self, rows: int) -> tuple[int, int]:
+        """(BLOCK_M, BLOCK_N): tall tiles for tall query groups (fewer re-reads of K/V), short ones
+        for a handful of rows (T = 1: G rows). Measured on the H200 (docs/BENCHMARKS.md): 128 x 32
+        was the fastest of five configurations at 512 rows."""
+        bm = self.BLOCK_M or min(128, max(16, triton.next_power_of_2(rows)))
+        bn = self.BLOCK_N or (32 if bm >= 128 else 64)
+        return bm, bn
 
     def __init__(self, tables: torch.Tensor, ctx_lens: torch.Tensor, anc: torch.Tensor, block_size: int,
                  group: int, nsplit: int | None = None) -> None:
@@ -160,7 +186,7 @@ class TritonPagedAttention:
         if self.nsplit:
             return self.nsplit
         want = math.ceil(264 / max(1, B * h_kv * m_tiles))
-        most = max(1, self.max_keys // (2 * self.BLOCK_N))
+        most = max(1, self.max_keys // 128)
         return int(max(1, min(want, most, 32)))
 
     def __call__(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
@@ -169,7 +195,8 @@ class TritonPagedAttention:
         G = Hq // Hkv
         q = q.contiguous()
         MT = G * T
-        m_tiles = triton.cdiv(MT, self.BLOCK_M)
+        block_m, block_n = self.tile_config(MT)
+        m_tiles = triton.cdiv(MT, block_m)
         ns = self.splits(B, Hkv, m_tiles)
         acc = torch.empty(B * Hkv, ns, MT, D, dtype=torch.float32, device=q.device)
         m = torch.empty(B * Hkv, ns, MT, dtype=torch.float32, device=q.device)
@@ -178,8 +205,8 @@ class TritonPagedAttention:
         _tree_attn_split[(B * Hkv, ns, m_tiles)](
             q, cache, self.tables, self.ctx, self.bits, acc, m, l_,
             1.0 / math.sqrt(D), cache.stride(0), self.tables.shape[1], T, G, W, MT,
-            MAX_TILES=triton.cdiv(triton.cdiv(self.max_keys + T, self.BLOCK_N), ns) if INTERPRET else 0,
-            INTERPRET=INTERPRET, H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N,
+            MAX_TILES=triton.cdiv(triton.cdiv(self.max_keys + T, block_n), ns) if INTERPRET else 0,
+            INTERPRET=INTERPRET, H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=self.NUM_WARPS, num_stages=self.NUM_STAGES)
         out = torch.empty_like(q)
         block_r = 32

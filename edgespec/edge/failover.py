@@ -270,7 +270,8 @@ class FailoverVerifier:
         """Account for a failed remote attempt; returns the cause for the local side, or raises
         when there is no local side to use (a verifier never reached, no fallback)."""
         if not self.link.reached:
-            self._never_reached(exc, step)
+            self._never_reached(exc, step)  # raises unless local-first
+            return self.switches.last_error
         error = f"{type(exc).__name__}: {exc}"
         s = self.switches
         s.count("failures")

@@ -330,11 +330,6 @@ class Link:
                 self.address = address
                 self._drop(channel=True)
 
-    def drop(self) -> None:
-        """Forget the stream and the channel (the next call attaches afresh)."""
-        with self._lock:
-            self._drop(channel=True)
-
     def close(self) -> None:
         """End the stream politely (the server keeps its KV as a prefix cache) and the channel.
         An operation in flight (a probe re-attaching) is cut short rather than waited for."""

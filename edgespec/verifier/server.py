@@ -163,6 +163,17 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         depth = int(tree.depths.max())
         if depth > i.max_depth:
             raise TreeTooLargeError(f"tree depth {depth} is over this verifier's limit of {i.max_depth}")
+        if self.registry.batcher is not None:  # several sessions' trees per forward
+            outcome = self.registry.verify_batched(session, received, msg.deadline_ms, tree, sampling, msg.step,
+                                                   msg.context_length)
+            if outcome.resync is not None:
+                return self._resync(session, msg.step, *outcome.resync)
+            result, waited, computed = outcome.result, outcome.queue_s, outcome.compute_s
+            if self.metrics is not None:
+                self.metrics.observe("verify", waited, computed)
+                self.metrics.observe_tree(len(tree), len(result.tokens))
+            return wire.verified_message(msg.step, result.path, result.tokens, result.margins,
+                                         queue_ms=_ms(waited), compute_ms=_ms(computed))
         with self.registry.compute(session, received, msg.deadline_ms) as waited:
             if session.kv is None:
                 return self._resync(session, msg.step, session.lost_reason or Reason.UNKNOWN_CONTEXT,

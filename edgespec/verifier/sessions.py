@@ -15,6 +15,9 @@
   The edge still sends its whole context; only computation is saved.
 - All model work (sync, verify, allocating and freeing KV) is serialised through one FIFO lock:
   the compute worker. The time a request waits for it is its queue time.
+- Batching: a backend with `verify_many` (the torch backend) gets a batch worker
+  (verifier/torch/batching.py): Verify requests queue, and whenever the compute worker is free one
+  thread takes all queued ones (up to `max_batch`) and verifies them in one forward.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from edgespec.common.tokens import common_prefix_length
 from edgespec.common.wire import DeadlineExceededError, VerifierBusyError
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.verifier.backends import Backend, BackendSession
+from edgespec.verifier.torch.batching import BatchWorker, Job
 
 log = logging.getLogger("edgespec.verifier")
 
@@ -97,10 +101,21 @@ class RegistryStats:
     prefix_tokens_reused: int = 0  # context tokens those Syncs did not have to prefill
 
 
+@dataclass(frozen=True)
+class VerifyOutcome:
+    """What the batch worker answers one Verify: a result, or a resync request."""
+
+    result: object = None            # VerifyResult
+    resync: tuple[int, str] | None = None   # (reason, detail)
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+    batch_size: int = 0
+
+
 class SessionRegistry:
     def __init__(self, backend: Backend, *, max_sessions: int = 4, max_streams: int = 64,
                  kv_budget_bytes: int | None = None, idle_timeout_s: float = 600.0,
-                 retain_closed: bool = True) -> None:
+                 retain_closed: bool = True, max_batch: int = 32) -> None:
         if max_sessions < 1 or max_streams < 1:
             raise ValueError("max_sessions and max_streams must be >= 1")
         self.backend = backend
@@ -124,6 +139,12 @@ class SessionRegistry:
         self._ids = itertools.count(1)
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
+        self.batcher: BatchWorker | None = None
+        if callable(getattr(backend, "verify_many", None)) and max_batch > 1:
+            self.batcher = BatchWorker(self._run_verify_batch, max_batch=max_batch, lock=self.compute_lock,
+                                       expired=lambda job: DeadlineExceededError(
+                                           f"the request waited {(time.monotonic() - job.received) * 1000:.0f} ms "
+                                           "for the compute worker, over its deadline"))
 
     # -- streams ------------------------------------------------------------------------------
     def open_stream(self, peer: str = "") -> ServerSession:
@@ -192,6 +213,57 @@ class SessionRegistry:
         finally:
             with self._lock:
                 session.in_flight -= 1
+
+    # -- batched verification ---------------------------------------------------------------
+    def verify_batched(self, session: ServerSession, received: float, deadline_ms: int, tree, sampling,  # noqa: ANN001
+                       step: int, context_length: int) -> VerifyOutcome:
+        """Queue one Verify for the batch worker and wait for its batch; raises its error."""
+        assert self.batcher is not None
+        with self._lock:
+            session.in_flight += 1
+        try:
+            deadline = None if deadline_ms <= 0 else received + deadline_ms / 1000
+            job = self.batcher.submit((session, tree, sampling, step, context_length), received, deadline)
+        finally:
+            session.last_used = time.monotonic()
+            with self._lock:
+                session.in_flight -= 1
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def _run_verify_batch(self, jobs: list[Job]) -> None:
+        """Inside the compute worker: check each request, then one backend.verify_many call."""
+        run, requests = [], []
+        for job in jobs:
+            session, tree, sampling, step, context_length = job.payload
+            if session.kv is None:
+                job.result = VerifyOutcome(resync=(session.lost_reason or Reason.UNKNOWN_CONTEXT,
+                                                   "this session's KV cache was freed; send Sync again"),
+                                           queue_s=job.queue_s)
+                continue
+            self.ensure_slot(session)  # marks it most recently used
+            if context_length and context_length != session.kv.committed_length:
+                job.result = VerifyOutcome(resync=(Reason.UNKNOWN_CONTEXT,
+                                                   f"the edge holds {context_length} committed tokens, "
+                                                   f"this verifier {session.kv.committed_length}"),
+                                           queue_s=job.queue_s)
+                continue
+            run.append(job)
+            requests.append((session.kv, tree, sampling, step))
+        if not requests:
+            return
+        started = time.monotonic()
+        results = self.backend.verify_many(requests)
+        computed = time.monotonic() - started
+        for job, result in zip(run, results):
+            if isinstance(result, BaseException):
+                self.invalidate(job.payload[0])
+                job.error = result
+            else:
+                self.stats.verifies += 1
+                job.result = VerifyOutcome(result=result, queue_s=job.queue_s, compute_s=computed,
+                                           batch_size=len(run))
 
     # -- KV slots (call only while holding the compute worker) --------------------------------
     def ensure_slot(self, session: ServerSession, context: list[int] | None = None) -> BackendSession:
@@ -291,6 +363,8 @@ class SessionRegistry:
 
     def close(self) -> None:
         self._stop.set()
+        if self.batcher is not None:
+            self.batcher.close()
         if self._reaper is not None:
             self._reaper.join(timeout=5)
         with self.compute_lock_held():

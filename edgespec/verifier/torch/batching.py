@@ -1,0 +1,129 @@
+"""Continuous batching of verify requests: whenever the compute worker is free, ONE thread takes
+every queued request (up to `max_batch`) and runs them as one forward (TorchBackend.verify_many),
+so 32 sessions cost about one batched step instead of 32 serial ones.
+
+    worker = BatchWorker(run_batch, max_batch=32, lock=registry.compute_lock)
+    result = worker.submit(payload, received=time.monotonic(), deadline=...)   # blocks; raises on error
+
+`run_batch(jobs)` sets `job.result` or `job.error` for each job. The lock, when given, is the
+service's FIFO compute lock: syncs (prefills) and batches take turns in arrival order. A job whose
+deadline passed while it was queued gets `expired(job)` as its error and is not run. Each job
+records its queue time and the size of the batch it ran in (reported to the edge and in metrics).
+No torch here: the service's registry uses it for any backend with `verify_many`.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class Job:
+    payload: Any
+    received: float                       # time.monotonic() when the request arrived
+    deadline: float | None = None         # monotonic time after which it must not start
+    result: Any = None
+    error: BaseException | None = None
+    queue_s: float = 0.0
+    batch_size: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class BatchStats:
+    batches: int = 0
+    jobs: int = 0
+    expired: int = 0
+    largest: int = 0
+    sizes: collections.Counter = field(default_factory=collections.Counter)
+
+    @property
+    def mean_batch(self) -> float:
+        return self.jobs / self.batches if self.batches else 0.0
+
+
+class BatchWorker:
+    def __init__(self, run_batch: Callable[[list[Job]], None], *, max_batch: int = 32, lock: Any = None,
+                 expired: Callable[[Job], BaseException] | None = None, name: str = "edgespec-batcher") -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        self.run_batch = run_batch
+        self.max_batch = max_batch
+        self.lock = lock
+        self.expired = expired or (lambda job: TimeoutError("the request's deadline passed while it was queued"))
+        self.stats = BatchStats()
+        self._queue: collections.deque[Job] = collections.deque()
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._name = name
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def submit(self, payload: Any, received: float | None = None, deadline: float | None = None) -> Job:
+        """Queue one request and wait for its batch to finish; returns the job (result or error set)."""
+        job = Job(payload, time.monotonic() if received is None else received, deadline)
+        with self._cond:
+            if self._stop:
+                raise RuntimeError("the batch worker was stopped")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._queue.append(job)
+            self._cond.notify()
+        job.done.wait()
+        return job
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop:
+                    self._cond.wait()
+                if self._stop and not self._queue:
+                    return
+            if self.lock is not None:
+                self.lock.acquire()
+            jobs: list[Job] = []
+            try:
+                with self._cond:
+                    while self._queue and len(jobs) < self.max_batch:
+                        jobs.append(self._queue.popleft())
+                now = time.monotonic()
+                ready = []
+                for job in jobs:
+                    if job.deadline is not None and now > job.deadline:
+                        job.error = self.expired(job)
+                        self.stats.expired += 1
+                    else:
+                        ready.append(job)
+                for job in ready:
+                    job.queue_s = now - job.received
+                    job.batch_size = len(ready)
+                if ready:
+                    self.stats.batches += 1
+                    self.stats.jobs += len(ready)
+                    self.stats.largest = max(self.stats.largest, len(ready))
+                    self.stats.sizes[len(ready)] += 1
+                    try:
+                        self.run_batch(ready)
+                    except BaseException as exc:  # noqa: BLE001 - every job of the batch gets the error
+                        for job in ready:
+                            if job.result is None and job.error is None:
+                                job.error = exc
+            finally:
+                if self.lock is not None:
+                    self.lock.release()
+                for job in jobs:
+                    job.done.set()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

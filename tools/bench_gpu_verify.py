@@ -18,6 +18,8 @@ Sections (each prints a table; everything goes to --out as JSON):
    updated. `step_ms` is host wall time per call (what a request pays); `replay_ms` the graph alone
    (CUDA events). The same cells with HF transformers (Qwen2ForCausalLM, sdpa, DynamicCache:
    forward of T tokens + argmax to the host + crop back), measured in this run.
+5. capacity: 1, 8, 32 concurrent sessions through the service's batch worker, trees of T nodes
+   against T = 1 (cloud-only AR): requests/s, mean batch, latency (bench_capacity's docstring).
 Medians over --iters after --warmup. Weights are random: timings only.
 """
 from __future__ import annotations
@@ -275,6 +277,94 @@ def bench_steps(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dic
     return rows
 
 
+def bench_capacity(args, config: ModelConfig, dtype) -> list[dict]:
+    """Server throughput: N concurrent sessions, each a thread that sends its next tree as soon as
+    the last one is answered, through the service's batch worker (BatchWorker + verify_many, the
+    code SessionRegistry runs for every Verify; gRPC is not in this loop). Trees of T nodes
+    (T = 1: cloud-only AR decoding, one token per request). Random weights accept ~nothing, so the
+    measured rates are requests/s; tokens/s of speculation = requests/s x tau (tokens per step)."""
+    import threading
+
+    from edgespec.common.sampling import SamplingParams
+    from edgespec.verifier.torch.backend import TorchBackend
+    from edgespec.verifier.torch.batching import BatchWorker
+
+    device = torch.device(args.device)
+    model = TransformerLM.random(config, dtype=dtype, device=device, max_positions=args.context + 1024)
+    sizes = [int(n) for n in args.capacity_sessions.split(",")]
+    trees = [int(t) for t in args.capacity_trees.split(",")]
+    backend = TorchBackend.from_model(model, n_ctx=args.context + 1024, max_nodes=max(max(trees), 2), max_depth=32,
+                                      max_sessions=max(sizes))
+
+    def run_batch(jobs) -> None:  # noqa: ANN001
+        for job, result in zip(jobs, backend.verify_many([j.payload for j in jobs])):
+            if isinstance(result, BaseException):
+                job.error = result
+            else:
+                job.result = result
+
+    worker = BatchWorker(run_batch, max_batch=max(sizes))
+    rng = np.random.default_rng(7)
+    rows = []
+    for n in sizes:
+        for T in trees:
+            sessions = []
+            for _ in range(n):
+                s = backend.open_session()
+                s.sync(rng.integers(0, config.vocab_size, size=args.context).tolist())
+                sessions.append(s)
+            stop = threading.Event()
+            counts = [[0, 0, 0.0] for _ in range(n)]   # requests, tokens, latency sum
+            measuring = threading.Event()
+            errors = []
+
+            def client(i: int) -> None:
+                s = sessions[i]
+                r = np.random.default_rng(i)
+                step = 0
+                while not stop.is_set():
+                    parents = np.array(random_parents(T, r))
+                    drafted = (int(r.integers(0, config.vocab_size)) + np.arange(T - 1)) % config.vocab_size  # distinct
+                    tokens = np.concatenate(([s.committed[-1]], drafted))
+                    tree = TokenTree(tokens=tokens, parents=parents)
+                    t0 = time.perf_counter()
+                    job = worker.submit((s, tree, SamplingParams(), step))
+                    if job.error is not None:
+                        errors.append(repr(job.error))
+                        return
+                    step += 1
+                    if measuring.is_set():
+                        counts[i][0] += 1
+                        counts[i][1] += len(job.result.tokens)
+                        counts[i][2] += time.perf_counter() - t0
+
+            threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(n)]
+            for t in threads:
+                t.start()
+            time.sleep(args.capacity_warmup_s)   # graph captures for the buckets this load uses
+            b0 = (worker.stats.batches, worker.stats.jobs)
+            measuring.set()
+            t0 = time.perf_counter()
+            time.sleep(args.capacity_s)
+            measuring.clear()
+            elapsed = time.perf_counter() - t0
+            b1 = (worker.stats.batches, worker.stats.jobs)
+            stop.set()
+            for t in threads:
+                t.join(timeout=30)
+            req = sum(c[0] for c in counts)
+            row = {"sessions": n, "tree": T, "requests_per_s": req / elapsed,
+                   "tokens_per_s": sum(c[1] for c in counts) / elapsed,
+                   "mean_batch": (b1[1] - b0[1]) / max(1, b1[0] - b0[0]),
+                   "mean_latency_ms": 1000 * sum(c[2] for c in counts) / max(1, req), "errors": errors[:3]}
+            rows.append(row)
+            log("[capacity]", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
+            for s in sessions:
+                s.close()
+    worker.close()
+    return rows
+
+
 def _bucket(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -323,8 +413,13 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--no-graph", action="store_true")
-    p.add_argument("--skip", default="", help="comma-separated sections to skip: ceilings,checks,attention,step,hf")
+    p.add_argument("--skip", default="",
+                   help="comma-separated sections to skip: ceilings,checks,attention,step,hf,capacity")
     p.add_argument("--attention-shapes", default="8x4096,32x2048,8x32768")
+    p.add_argument("--capacity-sessions", default="1,8,32")
+    p.add_argument("--capacity-trees", default="1,16,32")
+    p.add_argument("--capacity-s", type=float, default=4.0, help="measured seconds per capacity cell")
+    p.add_argument("--capacity-warmup-s", type=float, default=4.0)
     p.add_argument("--out", default=None, help="write all results here (JSON)")
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -334,6 +429,7 @@ def main() -> int:
         return 2
     if args.small:
         args.context, args.batches, args.trees, args.warmup, args.iters = 64, "1,2", "1,4", 1, 3
+        args.capacity_sessions, args.capacity_trees, args.capacity_s, args.capacity_warmup_s = "1,3", "1,4", 1.0, 0.5
         if not cuda:
             args.attention = "torch"
     result: dict = {"meta": {
@@ -367,6 +463,8 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - report, keep the rest
             result["hf_error"] = f"{type(exc).__name__}: {exc}"[:400]
             log("[hf] failed:", result["hf_error"])
+    if "capacity" not in skip:
+        result["capacity"] = bench_capacity(args, config, dtype)
     result["meta"]["params"] = config.n_params
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1, default=str))
@@ -386,6 +484,12 @@ def summary(result: dict) -> str:
                          f"{r.get('replay_ms', math.nan):.3f} | {f or math.nan:.3f} | "
                          f"{(r['step_ms'] / f) if f else math.nan:.2f} | {h or math.nan:.2f} | "
                          f"{(r['step_ms'] / h) if h else math.nan:.3f} |")
+    cap = {(r["sessions"], r["tree"]): r for r in result.get("capacity", [])}
+    for (n, T), r in sorted(cap.items()):
+        ar = cap.get((n, 1))
+        need = f", tau needed for 2.5x AR tokens/s: {2.5 * ar['requests_per_s'] / r['requests_per_s']:.2f}" if ar and T > 1 else ""
+        lines.append(f"capacity {n} sessions, T={T}: {r['requests_per_s']:.1f} requests/s, mean batch "
+                     f"{r['mean_batch']:.1f}, latency {r['mean_latency_ms']:.2f} ms{need}")
     for r in result.get("attention", []):
         lines.append(f"attention B={r['batch']} L={r['context']}: triton {r.get('triton_ms', math.nan):.4f} "
                      f"({r.get('triton_config')}), torch paged {r.get('torch_paged_ms', math.nan):.4f}, "

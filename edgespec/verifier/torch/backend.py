@@ -36,6 +36,7 @@ from edgespec.verifier.backends import (
 )
 from edgespec.verifier.torch import gguf_weights
 from edgespec.verifier.torch.engine import Decision, Engine, TreeStep, decided_on_device
+from edgespec.verifier.torch.model import TransformerLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -122,26 +123,47 @@ class TorchBackend(Backend):
             torch.set_num_threads(threads)
         reader = gguf_weights.open_gguf(model_path)
         fingerprint = gguf_weights.tokenizer_fingerprint(reader)
-        self.model = gguf_weights.load_model(reader, dtype=DTYPES[dtype], device=device, max_positions=n_ctx)
+        model = gguf_weights.load_model(reader, dtype=DTYPES[dtype], device=device, max_positions=n_ctx)
         del reader
+        mid, aliases = model_identity(model_path)
+        self._setup(model, model_id=model_id or mid, aliases=aliases if model_id is None else (mid, *aliases),
+                    tokenizer_hash=fingerprint, n_ctx=n_ctx, max_nodes=max_nodes, max_depth=max_depth, max_k=max_k,
+                    max_sessions=max_sessions, block_size=block_size, cuda_graphs=cuda_graphs, attention=attention,
+                    extra={"path": str(model_path)})
+
+    @classmethod
+    def from_model(cls, model: TransformerLM, *, model_id: str = "random", tokenizer_hash: str = "",
+                   n_ctx: int = 4096, max_nodes: int = 128, max_depth: int = 32, max_k: int = 64,
+                   max_sessions: int = 4, block_size: int = 16, cuda_graphs: bool | None = None,
+                   attention: str = "auto") -> "TorchBackend":
+        """A backend around a model already in memory (benchmarks with random weights)."""
+        backend = cls.__new__(cls)
+        backend._setup(model, model_id=model_id, aliases=(), tokenizer_hash=tokenizer_hash, n_ctx=n_ctx,
+                       max_nodes=max_nodes, max_depth=max_depth, max_k=max_k, max_sessions=max_sessions,
+                       block_size=block_size, cuda_graphs=cuda_graphs, attention=attention, extra={})
+        return backend
+
+    def _setup(self, model: TransformerLM, *, model_id: str, aliases: tuple[str, ...], tokenizer_hash: str,
+               n_ctx: int, max_nodes: int, max_depth: int, max_k: int, max_sessions: int, block_size: int,
+               cuda_graphs: bool | None, attention: str, extra: dict) -> None:
+        self.model = model
         blocks_per_session = -(-n_ctx // block_size)
         # Each session may hold n_ctx positions plus a tree of max_nodes in reserved slots; one spare
         # block per session lets a truncate copy a shared tail block (kv_cache.KVSequence.truncate);
         # block 0 is the null block.
         step_blocks = -(-(n_ctx + max_nodes) // block_size) + 1
-        self.engine = Engine(self.model, num_blocks=max_sessions * (step_blocks + 1) + 1, block_size=block_size,
+        self.engine = Engine(model, num_blocks=max_sessions * (step_blocks + 1) + 1, block_size=block_size,
                              cuda_graphs=cuda_graphs, attention=attention)
         self._sessions: set[TorchSession] = set()
-        c = self.model.config
-        mid, aliases = model_identity(model_path)
+        c = model.config
+        dtype = next(k for k, v in DTYPES.items() if v == model.dtype)
         self.info = ModelInfo(
-            model_id=model_id or mid, aliases=aliases if model_id is None else (mid, *aliases),
-            tokenizer_hash=fingerprint, vocab_size=c.vocab_size, n_ctx=n_ctx, max_nodes=max_nodes,
-            max_depth=max_depth, max_k=max_k, backend=f"torch-{torch.device(device).type}-{dtype}",
+            model_id=model_id, aliases=aliases, tokenizer_hash=tokenizer_hash, vocab_size=c.vocab_size, n_ctx=n_ctx,
+            max_nodes=max_nodes, max_depth=max_depth, max_k=max_k, backend=f"torch-{model.device.type}-{dtype}",
             kv_bytes_per_session=blocks_per_session * self.engine.cache.bytes_per_block,
-            extra={"path": str(model_path), "arch": c.arch, "block_size": block_size,
-                   "num_blocks": self.engine.cache.pool.num_blocks, "attention": self.engine.attention,
-                   "cuda_graphs": self.engine.cuda_graphs})
+            extra={**extra, "arch": c.arch, "block_size": block_size, "num_blocks": self.engine.cache.pool.num_blocks,
+                   "attention": self.engine.attention, "cuda_graphs": self.engine.cuda_graphs,
+                   "fused_kernels": self.engine.fused})
 
     def open_session(self) -> TorchSession:
         return TorchSession(self)

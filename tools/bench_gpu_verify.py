@@ -239,42 +239,54 @@ def bench_steps(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dic
     rows = []
     attentions = args.attention.split(",")
     per_seq = -(-(args.context + max(trees)) // 16) + 2
-    for attention in attentions:
+    for variant in attentions:
+        attention, _, unfused = variant.partition("-")
         engine = Engine(model, num_blocks=max(batches) * per_seq + 8, block_size=16, attention=attention,
-                        cuda_graphs=device.type == "cuda" and not args.no_graph)
-        rng = np.random.default_rng(0)
-        for B in batches:
-            seqs = fill(engine, B, args.context)
-            for T in trees:
-                steps = []
-                for s in seqs:
-                    parents = random_parents(T, rng)
-                    steps.append(TreeStep(s, rng.integers(0, config.vocab_size, size=T).tolist(), parents))
-
-                def step() -> None:
-                    engine.verify(steps)
-                    for s in seqs:
-                        s.truncate(args.context)
-
-                row = {"attention": attention, "batch": B, "tree": T, "context": args.context}
-                t0 = time.perf_counter()
-                step()
-                row["first_step_s"] = round(time.perf_counter() - t0, 2)   # includes the graph capture
-                row["step_ms"] = wall_ms(step, args.warmup, args.iters)
-                if engine.cuda_graphs:
-                    st = next(v for k, v in engine._static.items() if k[:2] == (_bucket(B), _bucket(T)))
-                    graph = next(iter(st.graph.values()))[0]
-                    row["replay_ms"] = cuda_ms(graph.replay, args.warmup, args.iters)
-                if ceil:
-                    w = config.n_params * 2
-                    row["floor_ms"] = 1000 * max(w / ceil["copy_bytes_per_s"],
-                                                 2 * config.n_params * B * T / ceil["bf16_flop_per_s"])
-                rows.append(row)
-                log("[step]", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
-            for s in seqs:
-                s.close()
+                        cuda_graphs=device.type == "cuda" and not args.no_graph,
+                        fused=False if unfused == "unfused" else None)
+        try:
+            _steps(engine, args, config, batches, trees, variant, ceil, rows)
+        except Exception as exc:  # noqa: BLE001 - report, go on with the next variant
+            rows.append({"attention": variant, "error": f"{type(exc).__name__}: {exc}"[:600]})
+            log("[step] failed:", rows[-1])
         torch.cuda.empty_cache() if device.type == "cuda" else None
+    model.fused_ops = False
     return rows
+
+
+def _steps(engine: Engine, args, config: ModelConfig, batches, trees, attention: str, ceil: dict | None,
+           rows: list) -> None:
+    rng = np.random.default_rng(0)
+    for B in batches:
+        seqs = fill(engine, B, args.context)
+        for T in trees:
+            steps = []
+            for s in seqs:
+                parents = random_parents(T, rng)
+                steps.append(TreeStep(s, rng.integers(0, config.vocab_size, size=T).tolist(), parents))
+
+            def step() -> None:
+                engine.verify(steps)
+                for s in seqs:
+                    s.truncate(args.context)
+
+            row = {"attention": attention, "batch": B, "tree": T, "context": args.context}
+            t0 = time.perf_counter()
+            step()
+            row["first_step_s"] = round(time.perf_counter() - t0, 2)   # includes the graph capture
+            row["step_ms"] = wall_ms(step, args.warmup, args.iters)
+            if engine.cuda_graphs:
+                st = next(v for k, v in engine._static.items() if k[:2] == (_bucket(B), _bucket(T)))
+                graph = next(iter(st.graph.values()))[0]
+                row["replay_ms"] = cuda_ms(graph.replay, args.warmup, args.iters)
+            if ceil:
+                w = config.n_params * 2
+                row["floor_ms"] = 1000 * max(w / ceil["copy_bytes_per_s"],
+                                             2 * config.n_params * B * T / ceil["bf16_flop_per_s"])
+            rows.append(row)
+            log("[step]", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
+        for s in seqs:
+            s.close()
 
 
 def bench_capacity(args, config: ModelConfig, dtype) -> list[dict]:
@@ -409,7 +421,8 @@ def main() -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--trees", default="1,16,64,128")
-    p.add_argument("--attention", default="triton,torch", help="engine attention variants to time")
+    p.add_argument("--attention", default="triton,torch",
+                   help="engine variants to time: triton, torch, and either with -unfused (no fused.py kernels)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--no-graph", action="store_true")
@@ -448,7 +461,12 @@ def main() -> int:
     if cuda and "checks" not in skip:
         result["kernel_check_rel_err"] = check_kernel()
         log("[check] triton kernel vs float64 reference, relative error:", json.dumps(result["kernel_check_rel_err"]))
-        result["engine_checks"] = [check_engine(a) for a in ("triton", "torch")]
+        result["engine_checks"] = []
+        for a in ("triton", "torch"):
+            try:
+                result["engine_checks"].append(check_engine(a))
+            except Exception as exc:  # noqa: BLE001 - report, go on
+                result["engine_checks"].append({"attention": a, "error": f"{type(exc).__name__}: {exc}"[:600]})
         log("[check] engine with CUDA graphs vs accept_greedy on eager logits:", json.dumps(result["engine_checks"]))
     if cuda and ceil and "attention" not in skip:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.attention_shapes.split(",")]
@@ -479,6 +497,9 @@ def summary(result: dict) -> str:
         lines.append("| attention | B | T | step ms | graph replay ms | floor ms | step/floor | HF ms | step/HF |")
         lines.append("|---|---|---|---|---|---|---|---|---|")
         for r in result["step"]:
+            if "error" in r:
+                lines.append(f"| {r['attention']} | error: {r['error'][:200]} |")
+                continue
             f, h = r.get("floor_ms"), hf.get((r["batch"], r["tree"]))
             lines.append(f"| {r['attention']} | {r['batch']} | {r['tree']} | {r['step_ms']:.3f} | "
                          f"{r.get('replay_ms', math.nan):.3f} | {f or math.nan:.3f} | "

@@ -83,3 +83,77 @@ def test_text_stream_never_splits_characters(smol_model):
     chunks = [stream.push([t]) for t in tokens] + [stream.flush()]
     assert "".join(chunks) == text
     assert all("\ufffd" not in c for c in chunks)
+
+
+def test_a_closed_context_or_model_raises_instead_of_crashing(smol_path, prompt):
+    from edgespec.common.errors import SessionClosedError
+    from edgespec.runtime.llama import LlamaModel
+
+    model = LlamaModel(smol_path)
+    ctx = TreeContext(model, ContextConfig(n_ctx=256))
+    ctx.ingest(prompt)
+    ctx.close()
+    ctx.close()   # idempotent
+    for call in (lambda: ctx.truncate(0), lambda: ctx.ingest([1]), lambda: ctx.sync(prompt),
+                 lambda: ctx.decode_tree([prompt[-1], 5], [-1, 0]), ctx.drop_branches):
+        with pytest.raises(SessionClosedError, match="closed"):
+            call()
+    other = TreeContext(model, ContextConfig(n_ctx=256))
+    model.close()   # closes the contexts still open on it first: they must not point into freed weights
+    assert other.closed and model.closed
+    with pytest.raises(SessionClosedError):
+        other.ingest(prompt)
+    with pytest.raises(SessionClosedError):
+        model.tokenize("hello")
+    with pytest.raises(SessionClosedError):
+        TreeContext(model, ContextConfig(n_ctx=256))
+
+
+def test_one_context_used_from_two_threads_is_serialised(smol_path):
+    """Two threads decoding into one llama.cpp context used to abort the process (GGML_ASSERT);
+    the calls are serialised now. Run in a child so that a regression fails only this test."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import threading
+        from edgespec.runtime.llama import ContextConfig, LlamaModel, TreeContext
+        model = LlamaModel({str(smol_path)!r})
+        prompt = model.chat_tokens([{{"role": "user", "content": "Name three colours."}}])
+        ctx = TreeContext(model, ContextConfig(n_ctx=512))
+        def work(k):
+            for _ in range(15):
+                ctx.sync(prompt[:k])           # truncate + decode, each call whole
+        threads = [threading.Thread(target=work, args=(k,)) for k in (len(prompt), len(prompt) // 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        print(ctx.tokens in (prompt, prompt[:len(prompt) // 2]))
+    """)
+    r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "True"
+
+
+def test_context_window_is_what_was_asked(smol_model):
+    """llama.cpp pads the KV cache to 256 cells; the window stays the requested 200 tokens."""
+    ctx = TreeContext(smol_model, ContextConfig(n_ctx=200, max_tree_nodes=16))
+    assert ctx.n_ctx == 200
+    with pytest.raises(ContextOverflowError, match="200 tokens is full"):
+        ctx.ingest(list(range(300, 510)))
+    ctx.close()
+    with pytest.raises(ValueError, match="n_ctx"):
+        TreeContext(smol_model, ContextConfig(n_ctx=16, max_tree_nodes=81))
+
+
+def test_llama_logs_through_no_python_code():
+    """The log callback is a builtin: a Ctrl-C arriving while llama.cpp logs (model load, graph
+    reservation) is never raised inside a ctypes callback, where ctypes would drop it."""
+    import inspect
+
+    from edgespec.runtime import llama
+
+    assert llama._SILENT_LOG is not None and not inspect.isfunction(slice)
+    assert llama.C.llama_log_callback(slice)   # builds: ctypes accepts a builtin type as the callback

@@ -1,6 +1,6 @@
 """`edgespec` command line: one module per sub-command, each exposing `add_parser(subparsers)`.
 
-Exit codes: 0 ok, 1 runtime failure, 2 bad usage or bad input (argparse convention).
+Exit codes: 0 ok, 1 runtime failure, 2 bad usage or bad input (argparse convention), 130 Ctrl-C.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from edgespec.common.errors import EdgespecError
 
 SUBCOMMANDS = ("run", "models", "verifier")
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 class CliError(Exception):
@@ -34,10 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        args = build_parser().parse_args(argv)   # imports the sub-commands: Ctrl-C may land here too
+        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
         return int(args.func(args) or 0)
     except CliError as exc:
         print(f"edgespec: error: {exc}", file=sys.stderr)
@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"edgespec: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        return 130
+        print("edgespec: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -4,9 +4,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
+import threading
+from types import FrameType
 
 from edgespec.cli import CliError
+from edgespec.common.sampling import AcceptanceRule
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -21,7 +26,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one per run)")
+    p.add_argument("--sampling-rule", choices=[r.value for r in AcceptanceRule], default=AcceptanceRule.TARGET_SAMPLE.value,
+                   help="exact acceptance rule for sampled trees (default: %(default)s)")
     tree = p.add_argument_group("draft tree (default: sized every step by the cost model)")
     tree.add_argument("--budget", type=int, help="fixed tree: drafted nodes per step (0 = target only)")
     tree.add_argument("--depth", type=int, help="fixed tree: maximum depth (default 6)")
@@ -41,7 +48,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     link.add_argument("--local-first", action="store_true",
                       help="start verifying locally if the verifier cannot be reached yet, and attach it once it can "
                            "(otherwise an unreachable verifier is an error)")
-    p.add_argument("--n-ctx", type=int, default=4096)
+    p.add_argument("--n-ctx", type=int, default=4096,
+                   help="context window in tokens, prompt and answer (default %(default)s); an answer that "
+                        "fills it stops early and says so")
+    hw = p.add_argument_group("hardware (default: sized per mode from this machine's CPUs; see README)")
+    hw.add_argument("--draft-threads", type=int, metavar="N", help="llama.cpp threads of the draft model")
+    hw.add_argument("--target-threads", type=int, metavar="N",
+                    help="llama.cpp threads of this device's target (--local, the bundled verifier, the fallback)")
+    hw.add_argument("--draft-gpu-layers", type=int, metavar="N",
+                    help="draft layers on the GPU (-1: all; default: all on a GPU build of llama.cpp, else 0)")
+    hw.add_argument("--target-gpu-layers", type=int, metavar="N", help="the same for this device's target")
     p.add_argument("--json-stats", action="store_true", help="print the final stats as JSON on stderr")
     p.set_defaults(func=run)
 
@@ -57,6 +73,13 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("the prompt is empty")
     if args.max_tokens <= 0:
         raise CliError(f"--max-tokens must be > 0, got {args.max_tokens}")
+    if args.n_ctx <= 0:
+        raise CliError(f"--n-ctx must be > 0, got {args.n_ctx}")
+    for flag, value, low in (("--draft-threads", args.draft_threads, 1), ("--target-threads", args.target_threads, 1),
+                             ("--draft-gpu-layers", args.draft_gpu_layers, -1),
+                             ("--target-gpu-layers", args.target_gpu_layers, -1)):
+        if value is not None and value < low:
+            raise CliError(f"{flag} must be >= {low}, got {value}")
     try:
         shape = choose_shape(args, TreeShape)
     except ValueError as exc:
@@ -74,33 +97,92 @@ def run(args: argparse.Namespace) -> int:
                                               file=sys.stderr, flush=True))
         if args.verifier:
             link.update(verifier=args.verifier, token=args.token or os.environ.get("EDGESPEC_TOKEN"), tls=args.tls_ca)
-    with EdgeSession(args.draft, args.target, tree=shape, n_ctx=args.n_ctx, **link) as session:
+    hardware = dict(draft_threads=args.draft_threads, target_threads=args.target_threads,
+                    draft_gpu_layers=args.draft_gpu_layers, target_gpu_layers=args.target_gpu_layers)
+    with CtrlC() as ctrl_c:
         try:
-            for chunk in session.chat(messages, stream=True, max_tokens=args.max_tokens,
+            session = EdgeSession(args.draft, args.target, tree=shape, n_ctx=args.n_ctx, **link, **hardware)
+        except KeyboardInterrupt:
+            print("[edgespec] interrupted while starting", file=sys.stderr)
+            return 130
+        with session:
+            ctrl_c.defer()   # from here on Ctrl-C stops after the current step (see CtrlC)
+            if not ctrl_c.pressed:
+                chunks = session.chat(messages, stream=True, max_tokens=args.max_tokens,
                                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                      seed=args.seed):
-                sys.stdout.write(chunk)
-                sys.stdout.flush()
-        except KeyboardInterrupt:  # what was printed stands; say so, with the figures so far
+                                      seed=args.seed, sampling_rule=args.sampling_rule)
+                try:
+                    for chunk in chunks:
+                        sys.stdout.write(chunk)
+                        sys.stdout.flush()
+                        if ctrl_c.pressed:
+                            break
+                finally:
+                    chunks.close()
             sys.stdout.write("\n")
-            print(f"[edgespec] interrupted: {session.stats.summary()}", file=sys.stderr)
-            raise
-        sys.stdout.write("\n")
-        print(f"[edgespec] {session.stats.summary()}", file=sys.stderr)
-        if args.json_stats:
-            s = session.stats
-            print(json.dumps({"tokens": s.tokens, "steps": s.steps, "tau": s.tau, "acceptance_rate": s.acceptance_rate,
-                              "tokens_per_second": s.tokens_per_second, "prepared_hits": s.prepared_hits,
-                              "shapes": s.shapes,
-                              "link": s.link.as_dict() if s.link is not None else None, **s.extra},
-                             default=str), file=sys.stderr)
+            sys.stdout.flush()
+            if ctrl_c.pressed:   # what was printed stands; say so, with the figures so far
+                print(f"[edgespec] interrupted: {session.stats.summary()}", file=sys.stderr)
+                return 130
+            if session.finish_reason == "context_full":
+                print(f"[edgespec] stopped: the context window of {session.n_ctx} tokens is full (prompt and answer); "
+                      "pass a larger --n-ctx for longer answers", file=sys.stderr)
+            print(f"[edgespec] {session.stats.summary()}", file=sys.stderr)
+            if args.json_stats:
+                s = session.stats
+                print(json.dumps({"tokens": s.tokens, "steps": s.steps, "tau": s.tau,
+                                  "acceptance_rate": s.acceptance_rate, "tokens_per_second": s.tokens_per_second,
+                                  "prepared_hits": s.prepared_hits, "shapes": s.shapes,
+                                  "finish_reason": session.finish_reason, "threads": session.threads,
+                                  "gpu_layers": session.gpu_layers,
+                                  "link": s.link.as_dict() if s.link is not None else None, **s.extra},
+                                 default=str), file=sys.stderr)
     return 0
+
+
+class CtrlC:
+    """SIGINT handling of `edgespec run`: the answer so far stays, the summary is printed, exit 130.
+
+    While starting (imports, model loading, the bundled verifier) Ctrl-C raises KeyboardInterrupt as
+    usual: the constructors clean up after themselves. Once the answer runs, `defer()` switches to a
+    flag checked after each step. A KeyboardInterrupt raised at an arbitrary bytecode in the decode
+    loop could land between a native call and its bookkeeping, or just after a lock was taken inside
+    a Python-level __enter__ (threading.Condition, ThreadPoolExecutor), which a later close() would
+    then wait on forever. A second Ctrl-C exits at once (130): a step can take long (a long prompt's
+    prefill, a slow link), and the user asked twice.
+    """
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self._deferred = False
+        self._previous: object = None
+
+    def __enter__(self) -> "CtrlC":
+        if threading.current_thread() is threading.main_thread():   # signals go to the main thread only
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def defer(self) -> None:
+        self._deferred = True
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self._deferred:
+            raise KeyboardInterrupt
+        if self.pressed:
+            os.write(2, b"\n[edgespec] interrupted twice: exiting now\n")
+            os._exit(130)
+        self.pressed = True
+        os.write(2, b"\n[edgespec] stopping after the current step (Ctrl-C again to quit at once)\n")
 
 
 def choose_shape(args: argparse.Namespace, tree_shape: type) -> object | None:
     """A fixed TreeShape when any tree option was given, else None (the planner sizes each tree)."""
     if args.chain:
         return tree_shape.chain(args.chain)
-    given = {k: v for k, v in (("budget", args.budget), ("max_depth", args.depth), ("top_k", args.branch),
+    given = {k: v for k, v in (("budget", args.budget), ("max_depth", args.depth), ("branching", args.branch),
                                  ("width", args.width)) if v is not None}
     return tree_shape(**given) if given else None

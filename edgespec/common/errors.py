@@ -30,6 +30,15 @@ class VerifierUnavailableError(EdgespecError):
     """The remote verifier cannot be reached or refused the session."""
 
 
+class SessionClosedError(EdgespecError, RuntimeError):
+    """A session, model or KV context was used after `close()` (its native memory is gone)."""
+
+
+class SessionBusyError(EdgespecError, RuntimeError):
+    """A session is already answering a request that this call would corrupt (e.g. a second
+    stream opened on the same thread while the first one is still open)."""
+
+
 class VerifierConfigError(VerifierUnavailableError):
     """A verifier that was never reached (wrong address, TLS settings, ...): a configuration
     error, so no local fallback hides it."""

@@ -63,8 +63,12 @@ class SessionStats:
 
     @property
     def tau(self) -> float:
-        """Mean tokens committed per target step (accepted drafts + 1)."""
-        return self.tokens / self.steps if self.steps else 0.0
+        """Mean tokens committed per target step: accepted drafts + the target's own token, so >= 1.
+
+        Counted from the verifier's answers (`accepted`), not from `tokens`: `tokens` are the tokens
+        emitted to the caller, which leave out the end-of-generation token and whatever max_tokens
+        cut from the last step, so tokens / steps fell below 1 on short answers (e.g. 0.93)."""
+        return 1.0 + self.accepted / self.steps if self.steps else 0.0
 
     @property
     def acceptance_rate(self) -> float:

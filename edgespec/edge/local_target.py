@@ -30,8 +30,9 @@ class LocalFallback:
     the draft's (a mismatch makes the fallback unusable)."""
 
     def __init__(self, target: str | os.PathLike, *, tokenizer_hash: str, config: ContextConfig = ContextConfig(),
-                 max_depth: int = 32) -> None:
+                 max_depth: int = 32, n_gpu_layers: int = 0) -> None:
         self.target = Path(target)
+        self.n_gpu_layers = n_gpu_layers
         self.tokenizer_hash = tokenizer_hash
         self.config = config
         self.max_depth = max_depth
@@ -53,7 +54,7 @@ class LocalFallback:
     def __call__(self) -> LocalVerifier:
         started = time.perf_counter()
         if self.model is None:
-            model = LlamaModel(self.target)
+            model = LlamaModel(self.target, n_gpu_layers=self.n_gpu_layers)
             if model.tokenizer_fingerprint() != self.tokenizer_hash:
                 model.close()
                 raise TokenizerMismatchError(

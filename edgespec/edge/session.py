@@ -6,16 +6,26 @@ llama.cpp target (local mode) or the gRPC link to a verifier service.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+import secrets
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from edgespec.common import modelstore
-from edgespec.common.errors import InvalidRequestError, TokenizerMismatchError
-from edgespec.common.sampling import SamplingParams
+from edgespec.common.errors import (
+    ContextOverflowError,
+    InvalidRequestError,
+    SessionBusyError,
+    SessionClosedError,
+    TokenizerMismatchError,
+)
+from edgespec.common.sampling import AcceptanceRule, SamplingParams
 from edgespec.edge.decoder import Decoder, SessionStats, Verifier
 from edgespec.edge.drafting import Drafter, TreeShape
 from edgespec.edge.planner import LADDER, Planner
-from edgespec.runtime.llama import ContextConfig, LlamaModel, TextStream
+from edgespec.runtime.llama import ALL_LAYERS, ContextConfig, LlamaModel, TextStream, gpu_offload_supported
 from edgespec.runtime.tree_verifier import LocalVerifier
 
 if TYPE_CHECKING:
@@ -30,14 +40,64 @@ def tree_nodes_needed(shapes: Sequence[TreeShape]) -> int:
     return max(max(s.width * s.max_depth, s.budget) for s in shapes) + 1
 
 
+def context_reserve(shapes: Sequence[TreeShape]) -> int:
+    """KV cells a step may use beyond the committed context: the tree's nodes, plus (when drafting
+    ahead) the guessed accepted path and the guessed next token the next tree grows from."""
+    return tree_nodes_needed(shapes) + max(s.max_depth for s in shapes) + 2
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (affinity and cpusets count, not just the machine's cores)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_threads(remote: bool, cpus: int | None = None) -> tuple[int, int]:
+    """(draft, target) llama.cpp threads when the caller sets none.
+
+    One core stays free for the decode loop, gRPC and the verify thread: llama.cpp's workers spin
+    while they wait, so models that take every core stall whatever else needs one (on the 2-core
+    CI VM, two threads per model stalled under load). Remote mode: the target runs elsewhere, so
+    the drafter takes up to 4 of the remaining cores (a small model gains little beyond); local and
+    bundled modes: the target verifies here while the drafter drafts ahead, so the drafter gets a
+    quarter of the cores (1 to 4) and the target the rest. The local target of remote mode (the
+    fallback) gets what the drafter leaves. Never less than 1.
+    """
+    cpus = cpus or available_cpus()
+    spare = max(1, cpus - 1)
+    draft = min(4, spare) if remote else max(1, min(4, cpus // 4))
+    return draft, max(1, spare - draft)
+
+
+def default_gpu_layers() -> int:
+    """Every layer on the GPU when this llama.cpp build can offload (a CUDA or Metal build), else 0."""
+    return ALL_LAYERS if gpu_offload_supported() else 0
+
+
+FINISH_REASONS = ("stop", "max_tokens", "context_full")
+
+
 class EdgeSession:
-    """Speculative chat: `EdgeSession().chat("hi")` uses the bundled default models locally."""
+    """Speculative chat: `EdgeSession().chat("hi")` uses the bundled default models locally.
+
+    One request at a time: a session holds one conversation's KV caches. A request runs from the
+    call of chat() (for a stream: from its first chunk) until its answer is complete, or the stream
+    is exhausted, closed or garbage-collected. Meanwhile a request from another thread waits for
+    its turn (requests are serialised), and one from the same thread, which could never get its
+    turn (e.g. a second stream opened while the first is still being read), raises
+    SessionBusyError. After close(), every call raises SessionClosedError; close() itself waits for
+    the step in progress, and a request it cut short raises SessionClosedError at its next step.
+    """
 
     def __init__(self, draft: str | os.PathLike = "draft", target: str | os.PathLike = "target", *,
                  verifier: str | Verifier | None = None, token: str | None = None, tls: None | bool | str = None,
                  local: bool = False, tree: TreeShape | None = None, n_ctx: int = 4096, fallback: bool = True,
                  deadline_s: float | None = None, probe_interval_s: float = 2.0, failure_threshold: int = 1,
-                 on_switch: Callable[[SwitchEvent], None] | None = None, local_first: bool = False) -> None:
+                 on_switch: Callable[[SwitchEvent], None] | None = None, draft_threads: int | None = None,
+                 target_threads: int | None = None, draft_gpu_layers: int | None = None,
+                 target_gpu_layers: int | None = None, local_first: bool = False) -> None:
         """Draft with `draft`; verify against `target` (manifest names, role aliases or GGUF paths).
 
         Where verification runs:
@@ -63,23 +123,63 @@ class EdgeSession:
         settings, token, model) raises here, naming the cause (VerifierConfigError, or the refusal's
         own error): fallback never hides a configuration mistake. `local_first=True` starts
         verifying locally instead, attaching the verifier once the probe reaches it.
+
+        Hardware: `draft_threads`/`target_threads` are llama.cpp threads of the draft and of this
+        device's copy of the target (local mode, the bundled verifier, the fallback); None picks
+        per mode (default_threads: remote mode gives the drafter up to 4 cores). `*_gpu_layers`
+        offload layers to a GPU build of llama.cpp (-1: all); None: all layers when the build can
+        offload, else none. `n_ctx` is the context window in tokens (prompt + answer); it must hold
+        at least one step's tree, and an answer stops early (finish_reason "context_full") when
+        the window is full.
         """
+        self._state = threading.Condition()   # guards the request/step/close bookkeeping below
+        self._closed = False
+        self._owner: int | None = None        # thread running the current request (or its latest step)
+        self._stepping = False                # a step (native calls) is running
+        self._free_after_step = False         # close() was called from inside a step
+        self._resources_freed = False
+        self.finish_reason: str | None = None  # why the last request ended: one of FINISH_REASONS
         if local and verifier is not None:
             raise InvalidRequestError("local=True and verifier=... exclude each other")
-        self.draft_model = LlamaModel(modelstore.resolve(draft))
         shapes = LADDER if tree is None else (tree,)
-        config = ContextConfig(n_ctx=n_ctx, max_tree_nodes=tree_nodes_needed(shapes))
+        nodes = tree_nodes_needed(shapes)
+        if n_ctx < nodes + 1:
+            raise InvalidRequestError(
+                f"n_ctx={n_ctx} is too small: one step of this session's draft trees needs {nodes} KV cells, "
+                f"so n_ctx must be at least {nodes + 1} plus room for the prompt and the answer "
+                "(default 4096; a smaller fixed tree, e.g. a chain, needs less)")
+        remote = verifier is not None and not local
+        auto_draft, auto_target = default_threads(remote)
+        draft_threads = auto_draft if draft_threads is None else draft_threads
+        target_threads = auto_target if target_threads is None else target_threads
+        for name, value in (("draft_threads", draft_threads), ("target_threads", target_threads)):
+            if value < 1:
+                raise InvalidRequestError(f"{name} must be >= 1, got {value}")
+        for name, value in (("draft_gpu_layers", draft_gpu_layers), ("target_gpu_layers", target_gpu_layers)):
+            if value is not None and value < ALL_LAYERS:
+                raise InvalidRequestError(f"{name} must be >= 0 (or -1 for all layers), got {value}")
+            if value and not gpu_offload_supported():
+                raise InvalidRequestError(f"{name}={value} asks for a GPU, but this llama.cpp build cannot offload "
+                                          "(rebuild it: EDGESPEC_LLAMA_FLAVOR=cuda tools/setup.sh, see README)")
+        draft_gpu_layers = default_gpu_layers() if draft_gpu_layers is None else draft_gpu_layers
+        target_gpu_layers = default_gpu_layers() if target_gpu_layers is None else target_gpu_layers
+        self.threads = {"draft": draft_threads, "target": target_threads}
+        self.gpu_layers = {"draft": draft_gpu_layers, "target": target_gpu_layers}
+        self.n_ctx = n_ctx
+        self.draft_model = LlamaModel(modelstore.resolve(draft), n_gpu_layers=draft_gpu_layers)
+        config = ContextConfig(n_ctx=n_ctx, max_tree_nodes=nodes, n_threads=draft_threads)
+        target_config = dataclasses.replace(config, n_threads=target_threads)
         self._max_tree_nodes = config.max_tree_nodes
         self.stats = SessionStats()
         self.target_model: LlamaModel | None = None
         self._embedded = None
         if local:
-            self.target_model = LlamaModel(modelstore.resolve(target))
+            self.target_model = LlamaModel(modelstore.resolve(target), n_gpu_layers=target_gpu_layers)
             if self.target_model.tokenizer_fingerprint() != self.draft_model.tokenizer_fingerprint():
                 raise TokenizerMismatchError(
                     f"draft {self.draft_model.path.name} and target {self.target_model.path.name} have different "
                     "token lists; speculative decoding needs a draft with the target's tokenizer")
-            verifier = LocalVerifier(self.target_model, config)
+            verifier = LocalVerifier(self.target_model, target_config)
         elif verifier is None or isinstance(verifier, str):
             from edgespec.edge.link import expected_model_id
 
@@ -87,9 +187,12 @@ class EdgeSession:
             if address is None:  # the bundled verifier on loopback (token: random, per child)
                 from edgespec.edge.embedded import EmbeddedVerifier
 
-                self._embedded = EmbeddedVerifier(modelstore.resolve(target), n_ctx=n_ctx,
-                                                  max_nodes=min(255, max(128, config.max_tree_nodes)),
-                                                  max_depth=max(32, *(s.max_depth for s in shapes)))
+                # The child's limits must fit its n_ctx (it refuses larger ones); ours always do.
+                self._embedded = EmbeddedVerifier(
+                    modelstore.resolve(target), n_ctx=n_ctx,
+                    max_nodes=min(255, max(128, nodes), n_ctx - 1),
+                    max_depth=max(min(32, n_ctx - 2), *(s.max_depth for s in shapes)),
+                    extra_args=["--threads", str(target_threads), "--n-gpu-layers", str(target_gpu_layers)])
                 address, token, tls = self._embedded.address, self._embedded.token, None
             try:
                 from edgespec.edge.failover import FailoverVerifier, LocalFallback
@@ -98,8 +201,8 @@ class EdgeSession:
                 fallback_target, no_local = None, "fallback=False"
                 if fallback:
                     fallback_target, no_local = LocalFallback.for_target(
-                        target, tokenizer_hash=fingerprint, config=config,
-                        max_depth=max(32, *(s.max_depth for s in shapes)))
+                        target, tokenizer_hash=fingerprint, config=target_config,
+                        max_depth=max(32, *(s.max_depth for s in shapes)), n_gpu_layers=target_gpu_layers)
                 verifier = FailoverVerifier(
                     address, token=token or os.environ.get("EDGESPEC_TOKEN"), tls=tls, tokenizer_hash=fingerprint,
                     model_id=expected_model_id(target), client_name="edgespec EdgeSession", local=fallback_target,
@@ -148,14 +251,91 @@ class EdgeSession:
                                       f"made for {self._max_tree_nodes} (pass a bigger `tree` at creation)")
         self.decoder.shape, self.decoder.planner = shape, (Planner() if shape is None else None)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
+        """Stop the session and free its models, KV caches and verifier (idempotent).
+
+        A step running in another thread is finished first (native calls cannot be cut short);
+        the request it belongs to then raises SessionClosedError, as does every later call.
+        """
+        me = threading.get_ident()
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            self._state.notify_all()          # requests waiting for their turn raise SessionClosedError
+            if self._stepping and self._owner == me:  # e.g. an on_switch callback: free when the step ends
+                self._free_after_step = True
+                return
+            while self._stepping:
+                self._state.wait()
+        self._free()
+
+    def _free(self) -> None:
+        with self._state:
+            if self._resources_freed:
+                return
+            self._resources_freed = True
         try:
-            self.decoder.close()
+            self.decoder.close()               # waits for the verify thread
             self.verifier.close()
             self.drafter.close()
         finally:
-            if self._embedded is not None:
-                self._embedded.stop()
+            try:
+                if self._embedded is not None:
+                    self._embedded.stop()
+            finally:
+                for model in (self.draft_model, self.target_model):
+                    if model is not None:
+                        model.close()
+
+    # -- one request at a time ----------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionClosedError("this EdgeSession was closed; create a new one")
+
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        """Hold the session for one request (see the class docstring: wait, or SessionBusyError)."""
+        me = threading.get_ident()
+        with self._state:
+            while True:
+                self._check_open()
+                if self._owner is None:
+                    break
+                if self._owner == me:
+                    raise SessionBusyError(
+                        "this EdgeSession is already answering a request on this thread (an open stream): "
+                        "read that stream to the end or close() it first, or use one session per conversation")
+                self._state.wait()
+            self._owner = me
+        try:
+            yield
+        finally:
+            with self._state:
+                self._owner = None
+                self._state.notify_all()
+
+    @contextlib.contextmanager
+    def _step(self) -> Iterator[None]:
+        """Native work of the current request; close() waits for it, and it refuses to start after close()."""
+        with self._state:
+            if self._closed:
+                raise SessionClosedError("this EdgeSession was closed while answering; create a new one")
+            self._stepping = True
+            self._owner = threading.get_ident()   # whoever advances a stream owns it now
+        try:
+            yield
+        finally:
+            with self._state:
+                self._stepping = False
+                free, self._free_after_step = self._free_after_step, False
+                self._state.notify_all()
+            if free:
+                self._free()
 
     def __enter__(self) -> "EdgeSession":
         return self
@@ -164,29 +344,82 @@ class EdgeSession:
         self.close()
 
     def chat(self, messages: Messages, *, stream: bool = False, max_tokens: int = 256, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> str | Iterator[str]:
-        """Answer a prompt or a list of {"role", "content"} messages; stream=True yields text chunks."""
+             top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+             sampling_rule: AcceptanceRule | str = AcceptanceRule.TARGET_SAMPLE) -> str | Iterator[str]:
+        """Answer a prompt or a list of {"role", "content"} messages; stream=True yields text chunks.
+
+        Sampling (temperature > 0) is exact whatever the tree: `sampling_rule` "target-sample"
+        (default) or "rejection" (see common/acceptance.py). `seed` None draws a fresh seed per
+        call, so the same prompt twice gives different answers; pass a seed to reproduce one.
+        """
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         if not messages or not any(m.get("content", "").strip() for m in messages):
             raise InvalidRequestError("the prompt is empty")
         if max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be > 0, got {max_tokens}")
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        prompt = self.draft_model.chat_tokens(list(messages))
-        chunks = self._stream_text(prompt, max_tokens, sampling)
+        if seed is None:
+            seed = secrets.randbits(63)
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, rule=sampling_rule)
+        self._check_open()
+        messages = list(messages)
+        chunks = self._request(lambda: self.draft_model.chat_tokens(messages), max_tokens, sampling, as_text=True)
         return chunks if stream else "".join(chunks)
 
     def generate_tokens(self, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> Iterator[list[int]]:
-        """The decode loop (edge/decoder.py); yields the tokens committed by each target step."""
-        return self.decoder.run(prompt, max_tokens, sampling)
+        """The decode loop (edge/decoder.py); yields the tokens committed by each target step.
+        One request like chat(): the same turn-taking, closing and context rules."""
+        self._check_open()
+        prompt = list(prompt)
+        return self._request(lambda: prompt, max_tokens, sampling, as_text=False)
 
-    def _stream_text(self, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> Iterator[str]:
-        text = TextStream(self.draft_model)
-        for tokens in self.generate_tokens(prompt, max_tokens, sampling):
-            chunk = text.push(tokens)
-            if chunk:
-                yield chunk
-        tail = text.flush()
-        if tail:
-            yield tail
+    def context_room(self, n_prompt: int) -> int:
+        """Answer tokens that fit after a prompt of `n_prompt` tokens (the window minus what one
+        step's drafting and verification may hold beyond the committed context)."""
+        reserve = context_reserve(LADDER if self.decoder.shape is None else (self.decoder.shape,))
+        return self.n_ctx - n_prompt - reserve
+
+    def _request(self, make_prompt: Callable[[], list[int]], max_tokens: int, sampling: SamplingParams,
+                 as_text: bool) -> Iterator[Any]:
+        """One request: text chunks (as_text) or the token lists of each target step.
+
+        Answers are capped to the room left in the context window, so drafting never runs past it;
+        a verifier with a smaller window (remote) that overflows later ends the answer the same way.
+        Either way the answer ends cleanly with finish_reason "context_full".
+        """
+        with self._turn():
+            self.finish_reason = None
+            with self._step():
+                prompt = make_prompt()
+                room = self.context_room(len(prompt))
+                if room < 1:
+                    raise ContextOverflowError(
+                        f"the prompt has {len(prompt)} tokens, but with n_ctx={self.n_ctx} at most "
+                        f"{len(prompt) + room - 1} fit (the rest is room for the draft trees): use a larger n_ctx "
+                        "or a shorter prompt")
+                limit = min(max_tokens, room)
+                text = TextStream(self.draft_model) if as_text else None
+            steps = self.decoder.run(prompt, limit, sampling)
+            produced, reason = 0, None
+            try:
+                while reason is None:
+                    with self._step():
+                        try:
+                            tokens = next(steps, None)
+                        except ContextOverflowError:
+                            if not produced:   # the prompt itself does not fit the verifier
+                                raise
+                            tokens, reason = None, "context_full"
+                        if tokens is None:
+                            reason = reason or ("stop" if produced < limit else
+                                                "max_tokens" if limit == max_tokens else "context_full")
+                            out = text.flush() if text is not None else None
+                        else:
+                            produced += len(tokens)
+                            out = text.push(tokens) if text is not None else tokens
+                    if reason is not None:
+                        self.finish_reason = reason
+                    if out:
+                        yield out
+            finally:
+                steps.close()

@@ -8,51 +8,83 @@ from __future__ import annotations
 
 import codecs
 import ctypes
+import functools
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import llama_cpp as C  # noqa: E402  (after numpy: its import prints nothing but is slow)
 import numpy as np
 
-from edgespec.common.errors import ContextOverflowError, ModelError
+from edgespec.common.errors import ContextOverflowError, InvalidRequestError, ModelError, SessionClosedError
 from edgespec.common.tokens import common_prefix_length, tokenizer_fingerprint
 
 _BACKEND_LOCK = threading.Lock()
 _BACKEND_READY = False
+ALL_LAYERS = -1   # n_gpu_layers: offload every layer (llama.cpp's own `-ngl -1` / llama-cpp-python convention)
 
 
 @C.llama_log_callback
-def _quiet_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:  # pragma: no cover
-    if os.environ.get("EDGESPEC_LLAMA_LOG"):
-        print(text.decode("utf-8", "replace"), end="", flush=True)
+def _print_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:  # pragma: no cover
+    print(text.decode("utf-8", "replace"), end="", flush=True)
+
+
+# Silence llama.cpp's logging without running Python code. llama.cpp logs from inside its C calls
+# (hundreds of lines per model load or graph reservation, also mid-generation), and a Ctrl-C whose
+# handler runs inside a Python callback raises KeyboardInterrupt there, where ctypes prints
+# "Exception ignored on calling ctypes callback function" and drops it: the interrupt was lost and
+# `edgespec run` went on generating (the flaky Ctrl-C test). A builtin type as the callback
+# (`slice(level, text, user_data)`: builds a throw-away object, no side effects) runs no bytecode,
+# so signal handlers never run inside it. EDGESPEC_LLAMA_LOG=1 prints the log (debugging only: a
+# Ctrl-C can then be lost that way).
+_SILENT_LOG = C.llama_log_callback(slice)
 
 
 def _init_backend() -> None:
     global _BACKEND_READY
     with _BACKEND_LOCK:
         if not _BACKEND_READY:
-            C.llama_log_set(_quiet_log, ctypes.c_void_p())
+            C.llama_log_set(_print_log if os.environ.get("EDGESPEC_LLAMA_LOG") else _SILENT_LOG, ctypes.c_void_p())
             C.llama_backend_init()
             _BACKEND_READY = True
+
+
+def gpu_offload_supported() -> bool:
+    """Whether this llama.cpp build can put layers on a GPU (CUDA, Metal, ...; see README)."""
+    _init_backend()
+    return bool(C.llama_supports_gpu_offload())
 
 
 class LlamaModel:
     """Weights and vocabulary of one GGUF model; contexts (KV caches) are created from it."""
 
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0) -> None:
+        """`n_gpu_layers`: layers offloaded to the GPU (ALL_LAYERS = -1: every layer). Asking for
+        layers from a build without GPU support is refused: silently running on the CPU would hide it."""
+        self._model = None
         path = Path(path)
         if not path.is_file():
             raise ModelError(f"model file not found: {path}")
+        if n_gpu_layers < ALL_LAYERS:
+            raise InvalidRequestError(f"n_gpu_layers must be >= 0 (or -1 for all layers), got {n_gpu_layers}")
+        if n_gpu_layers and not gpu_offload_supported():
+            raise InvalidRequestError(
+                f"n_gpu_layers={n_gpu_layers} asks for a GPU, but this llama.cpp build cannot offload "
+                "(rebuild it: EDGESPEC_LLAMA_FLAVOR=cuda tools/setup.sh, see README)")
         _init_backend()
         params = C.llama_model_default_params()
-        params.n_gpu_layers = n_gpu_layers
+        params.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers == ALL_LAYERS else n_gpu_layers
         self._model = C.llama_model_load_from_file(str(path).encode(), params)
         if not self._model:
             raise ModelError(f"llama.cpp could not load {path} (not a valid GGUF model?)")
         self.path = path
+        self._contexts: weakref.WeakSet[TreeContext] = weakref.WeakSet()
+        self.n_layer: int = C.llama_model_n_layer(self._model)
+        # llama.cpp offloads the repeating layers first, then the output layer: n_layer + 1 in all.
+        self.gpu_layers: int = min(params.n_gpu_layers, self.n_layer + 1)
         self._vocab = C.llama_model_get_vocab(self._model)
         self.n_vocab: int = C.llama_vocab_n_tokens(self._vocab)
         self.eos: int = C.llama_vocab_eos(self._vocab)
@@ -60,19 +92,32 @@ class LlamaModel:
         self._eog = np.array([C.llama_vocab_is_eog(self._vocab, t) for t in range(self.n_vocab)], bool)
         self._fingerprint: str | None = None
 
+    @property
+    def closed(self) -> bool:
+        return not getattr(self, "_model", None)
+
     def close(self) -> None:
+        """Free the weights, after closing every context still open on them (llama.cpp contexts
+        point into the model: freeing it first would leave them dangling). Idempotent."""
         if getattr(self, "_model", None):
+            for ctx in list(self._contexts):
+                ctx.close()
             C.llama_model_free(self._model)
             self._model = None
 
     def __del__(self) -> None:  # pragma: no cover - best effort
         self.close()
 
+    def _check_open(self) -> None:
+        if not getattr(self, "_model", None):
+            raise SessionClosedError(f"model {getattr(self, 'path', '?')} was closed")
+
     # -- vocabulary ---------------------------------------------------------------------------
     def is_end_of_generation(self, token: int) -> bool:
         return bool(self._eog[token])
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        self._check_open()
         data = text.encode("utf-8")
         buf = (C.llama_token * (len(data) + 16))()
         n = C.llama_tokenize(self._vocab, data, len(data), buf, len(buf), add_special, parse_special)
@@ -83,6 +128,7 @@ class LlamaModel:
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token adds to the output text (special tokens render as nothing)."""
+        self._check_open()
         buf = ctypes.create_string_buffer(64)
         n = C.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
         if n < 0:
@@ -96,12 +142,14 @@ class LlamaModel:
     def tokenizer_fingerprint(self) -> str:
         """sha256 over the token list: equal fingerprints mean draft tokens mean the same to the target."""
         if self._fingerprint is None:
+            self._check_open()
             self._fingerprint = tokenizer_fingerprint(
                 C.llama_vocab_get_text(self._vocab, t) or b"" for t in range(self.n_vocab))
         return self._fingerprint
 
     # -- chat ---------------------------------------------------------------------------------
     def chat_template(self) -> str | None:
+        self._check_open()
         raw = C.llama_model_chat_template(self._model, None)
         return raw.decode("utf-8") if raw else None
 
@@ -146,19 +194,52 @@ class TextStream:
 class ContextConfig:
     n_ctx: int = 4096
     n_batch: int = 512
-    n_threads: int = 1      # MODELS.md: 2 threads per model stall unpredictably on these CPUs
+    # One thread by default: llama.cpp's worker threads spin while they wait, so on a small shared
+    # machine (the 2-core CI VM) two threads per model stall each other; callers size it per mode
+    # (edge/session.py default_threads).
+    n_threads: int = 1
     max_tree_nodes: int = 128  # upper bound of one tree decode (also the number of sequences)
     flash_attention: bool = True
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _exclusive(method: _F) -> _F:
+    """Run a TreeContext method under the context's lock, refusing a closed context.
+
+    llama.cpp contexts are not thread-safe: two threads decoding into one (or one freeing it while
+    another decodes) abort or crash the process. The lock serialises such calls instead, and a call
+    after close() raises SessionClosedError rather than touching freed memory.
+    """
+    @functools.wraps(method)
+    def guarded(self: "TreeContext", *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            if self._ctx is None:
+                raise SessionClosedError(f"the KV context of {self.model.path.name} was closed")
+            return method(self, *args, **kwargs)
+    return guarded  # type: ignore[return-value]
+
+
 class TreeContext:
-    """One KV cache. Sequence 0 holds the committed context; other sequences are tree branches."""
+    """One KV cache. Sequence 0 holds the committed context; other sequences are tree branches.
+
+    Thread-safe in the sense that matters for the process: calls are serialised, and a closed
+    context raises SessionClosedError. Interleaving two conversations in one context is still the
+    caller's business (each call sees whatever the last one left).
+    """
 
     def __init__(self, model: LlamaModel, config: ContextConfig = ContextConfig()) -> None:
         self.model = model
         self.config = config
+        self._lock = threading.RLock()
+        self._ctx = None
+        if config.n_ctx <= 0 or config.n_threads <= 0:
+            raise InvalidRequestError(f"n_ctx and n_threads must be > 0, got n_ctx={config.n_ctx}, "
+                                      f"n_threads={config.n_threads}")
         if config.n_ctx < config.max_tree_nodes + 1:  # llama.cpp would abort the process (GGML_ASSERT)
-            raise ValueError(f"n_ctx={config.n_ctx} must exceed max_tree_nodes={config.max_tree_nodes}")
+            raise InvalidRequestError(f"n_ctx={config.n_ctx} must exceed max_tree_nodes={config.max_tree_nodes}")
+        model._check_open()
         params = C.llama_context_default_params()
         params.n_ctx = config.n_ctx
         params.n_batch = max(config.n_batch, config.max_tree_nodes + 1)
@@ -168,21 +249,34 @@ class TreeContext:
         params.n_threads = params.n_threads_batch = config.n_threads
         params.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attention else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.no_perf = True
-        self._ctx = C.llama_init_from_model(model._model, params)
-        if not self._ctx:
+        ctx = C.llama_init_from_model(model._model, params)
+        if not ctx:
             raise ModelError(f"llama.cpp could not create a context for {model.path} (n_ctx={config.n_ctx})")
-        self.n_ctx = C.llama_n_ctx(self._ctx)
+        self._ctx = ctx
+        # llama.cpp pads the KV cache (to a multiple of 256); the window is what was asked for, so
+        # that a context of n_ctx tokens behaves the same whatever the padding.
+        self.n_ctx = min(config.n_ctx, C.llama_n_ctx(ctx))
         self.n_seq_max = params.n_seq_max
         self._mem = C.llama_get_memory(self._ctx)
         self._batch = C.llama_batch_init(params.n_batch, 0, self.n_seq_max)
         self._batch_capacity = params.n_batch
         self.tokens: list[int] = []  # committed tokens held by sequence 0
+        model._contexts.add(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._ctx is None
 
     def close(self) -> None:
-        if getattr(self, "_ctx", None):
-            C.llama_batch_free(self._batch)
-            C.llama_free(self._ctx)
-            self._ctx = None
+        """Free the KV cache, after any call running in another thread has finished. Idempotent."""
+        lock = getattr(self, "_lock", None)
+        if lock is None:  # __init__ failed before the lock existed: nothing was allocated
+            return
+        with lock:
+            if getattr(self, "_ctx", None):
+                C.llama_batch_free(self._batch)
+                C.llama_free(self._ctx)
+                self._ctx = None
 
     def __del__(self) -> None:  # pragma: no cover
         self.close()
@@ -220,6 +314,7 @@ class TreeContext:
     def n_past(self) -> int:
         return len(self.tokens)
 
+    @_exclusive
     def ingest(self, tokens: Sequence[int]) -> np.ndarray | None:
         """Append committed tokens to sequence 0; returns the logits after the last one."""
         logits = None
@@ -234,6 +329,7 @@ class TreeContext:
                 logits = rows[0]
         return logits
 
+    @_exclusive
     def sync(self, tokens: Sequence[int]) -> np.ndarray:
         """Make sequence 0 hold exactly `tokens`, reusing the common prefix; logits after the last.
 
@@ -245,6 +341,7 @@ class TreeContext:
         self.truncate(common)
         return self.ingest(tokens[common:])
 
+    @_exclusive
     def truncate(self, n_keep: int) -> None:
         """Drop committed tokens from position n_keep on, and every tree branch."""
         C.llama_memory_seq_rm(self._mem, -1, n_keep, -1)
@@ -252,6 +349,7 @@ class TreeContext:
         del self.tokens[n_keep:]
 
     # -- trees --------------------------------------------------------------------------------
+    @_exclusive
     def decode_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[np.ndarray, list[int]]:
         """Decode a whole tree (node 0 = next committed token) in one call; logits for every node.
 
@@ -280,6 +378,7 @@ class TreeContext:
         logits = self._decode(tokens, positions, seq_sets, [True] * n)
         return logits, [s[0] for s in seq_sets]
 
+    @_exclusive
     def decode_frontier(self, tokens: Sequence[int], parent_seqs: Sequence[int], depth: int,
                         first_seq: int) -> np.ndarray:
         """Decode one depth of a growing tree: node i continues sequence parent_seqs[i].
@@ -294,6 +393,7 @@ class TreeContext:
         seqs = [(first_seq + i,) for i in range(len(tokens))]
         return self._decode(tokens, [self.n_past - 1 + depth] * len(tokens), seqs, [True] * len(tokens))
 
+    @_exclusive
     def adopt_branch(self, seq: int, new_tokens: Sequence[int]) -> None:
         """Commit `new_tokens`, the first tokens of branch `seq` after the committed context.
 
@@ -307,6 +407,7 @@ class TreeContext:
             C.llama_memory_seq_rm(self._mem, seq, -1, -1)
         self.tokens.extend(new_tokens)
 
+    @_exclusive
     def drop_branches(self) -> None:
         """Forget every tree branch, keeping only the committed context."""
         C.llama_memory_seq_rm(self._mem, -1, self.n_past, -1)

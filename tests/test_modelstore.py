@@ -109,7 +109,9 @@ def test_shipped_manifest(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("EDGESPEC_MANIFEST", raising=False)
     manifest = modelstore.load_manifest()
     assert set(manifest.names()) == {"qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct",
-                                     "smollm2-135m-instruct"}
+                                     "smollm2-135m-instruct", "all-minilm-l6-v2-int8",
+                                     "all-minilm-l6-v2-tokenizer"}
+    assert modelstore.expand_names(["router"], manifest) == ["all-minilm-l6-v2-int8", "all-minilm-l6-v2-tokenizer"]
     assert manifest.get("draft").name == "qwen2.5-coder-0.5b-instruct"
     assert manifest.get("target").size == 1_117_320_768
     assert [p.member for p in manifest.get("target").parts][-1] == \

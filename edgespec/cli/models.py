@@ -105,7 +105,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = sub.add_parser("list", help="show the manifest's models and their status")
     p.set_defaults(func=cmd_list)
 
-    groups = "a model name, a role (draft, target, test), default (draft + target) or all"
+    groups = ("a model name, a role (draft, target, test), default (draft + target), router (the router's "
+              "embedding model) or all")
     p = sub.add_parser("fetch", help="download, assemble and verify models")
     p.add_argument("names", nargs="*", metavar="NAME", help=f"{groups}; default: default")
     p.add_argument("--keep-downloads", action="store_true",

@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 GGUF_MAGIC = b"GGUF"
-GROUPS = ("default", "test", "all")  # names `fetch`/`verify` accept besides model names and roles
+GROUPS = ("default", "test", "all", "router")  # names `fetch`/`verify` accept besides model names and roles
 _CHUNK = 4 << 20  # 4 MiB: large enough that hashing runs at memory speed
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -185,8 +185,9 @@ def load_manifest(path: str | os.PathLike | None = None) -> Manifest:
 
 
 def expand_names(names: Iterable[str], manifest: Manifest | None = None) -> list[str]:
-    """Turn CLI arguments into model names: "default" = draft + target, "test", "all", role
-    aliases and plain names; order kept, duplicates dropped. Unknown names raise ModelError."""
+    """Turn CLI arguments into model names: "default" = draft + target, "test", "all", "router"
+    (the router's embedding files), role aliases and plain names; order kept, duplicates
+    dropped. Unknown names raise ModelError."""
     manifest = manifest or load_manifest()
     out: list[str] = []
     for arg in names:
@@ -194,6 +195,8 @@ def expand_names(names: Iterable[str], manifest: Manifest | None = None) -> list
             expanded = manifest.names()
         elif arg == "default":
             expanded = [manifest.get(role).name for role in ("draft", "target")]
+        elif arg == "router":  # the router's embedding model: ONNX weights and tokenizer, two files
+            expanded = [m.name for m in manifest.models if m.role == "router"]
         else:
             expanded = [manifest.get(arg).name]
         out.extend(n for n in expanded if n not in out)

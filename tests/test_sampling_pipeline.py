@@ -35,8 +35,18 @@ def logit_table(seed: int, scale: float) -> np.ndarray:
     return np.random.default_rng(seed).normal(0.0, scale, size=(VOCAB, VOCAB, VOCAB))
 
 
-DRAFT_TABLE = logit_table(11, 2.0)
-TARGET_TABLE = logit_table(12, 2.0)
+def with_first_step(table: np.ndarray, probs: list[float]) -> np.ndarray:
+    """The table with the first step after PROMPT set to `probs` over tokens 0, 1, 2 (others ~0)."""
+    table = table.copy()
+    table[PROMPT[-2], PROMPT[-1]] = np.log(np.array([*probs, 1e-9, 1e-9, 1e-9]))
+    return table
+
+
+# The first step is the reviewer's reproduction from issue 8 (draft q and target p over A, B, C):
+# with the root's first drawn child expanded and a budget of 2 nodes, the old value-based pruning
+# emitted A with probability 0.604 instead of 0.543.
+DRAFT_TABLE = with_first_step(logit_table(11, 2.0), [0.314, 0.114, 0.571])
+TARGET_TABLE = with_first_step(logit_table(12, 2.0), [0.543, 0.371, 0.086])
 
 
 def logits_after(table: np.ndarray, tokens: list[int]) -> np.ndarray:
@@ -153,9 +163,10 @@ SHAPES = {
     "tree6-d3-b2": TreeShape(budget=6, max_depth=3, branching=2, width=2),
     "tree16-d4-b4": TreeShape(budget=16, max_depth=4, branching=4, width=4),
     "tree5-d2-b3": TreeShape(budget=5, max_depth=2, branching=3, width=3),
+    "tree2-d2-b3-w1": TreeShape(budget=2, max_depth=2, branching=3, width=1),  # the issue's reproduction
 }
 SAMPLINGS = {"T0.7": (0.7, 0, 1.0), "T1.0": (1.0, 0, 1.0), "T1.0-topk4-topp0.9": (1.0, 4, 0.9)}
-CASES = [("chain3", "T0.7"), ("tree6-d3-b2", "T1.0"), ("tree5-d2-b3", "T1.0-topk4-topp0.9"),
+CASES = [("chain3", "T0.7"), ("tree2-d2-b3-w1", "T1.0"), ("tree6-d3-b2", "T1.0"), ("tree5-d2-b3", "T1.0-topk4-topp0.9"),
          ("tree16-d4-b4", "T0.7"), ("planner", "T1.0"), ("planner", "T1.0-topk4-topp0.9")]
 RUNS = 2500
 
@@ -189,7 +200,7 @@ def test_value_based_pruning_fails_the_same_test(monkeypatch):
 
     monkeypatch.setattr(Draft, "pruned", best_by_value)
     sampling = SamplingParams(temperature=1.0, rule=AcceptanceRule.REJECTION)
-    decoder = make_decoder(TreeShape(budget=3, max_depth=2, branching=3, width=1), pipelined=False)
+    decoder = make_decoder(SHAPES["tree2-d2-b3-w1"], pipelined=False)
     try:
         counts = emitted_counts(decoder, sampling, 3000)
     finally:

@@ -20,7 +20,7 @@ from edgespec import EdgeSession, TreeShape
 from edgespec.common import wire
 from edgespec.common.errors import (ContextOverflowError, InvalidTreeError, ModelError, TokenizerMismatchError,
                                     VerifierUnavailableError)
-from edgespec.common.sampling import SamplingParams
+from edgespec.common.sampling import AcceptanceRule, SamplingParams
 from edgespec.common.tree import TokenTree
 from edgespec.edge.link import RemoteVerifier
 from edgespec.runtime.llama import ContextConfig
@@ -216,11 +216,13 @@ def test_concurrent_sessions(server, smol_path, smol_model, prompts, reference):
         assert_same_output(smol_model, prompts[i], results[i], reference[i], f"thread {i}")
 
 
-def test_sampled_trees_verify_identically_over_the_link(server, smol_model, fingerprint, prompts):
-    """Same sampled tree (q weights, seed, temperature on the wire) -> same accept/reject decisions."""
+@pytest.mark.parametrize("rule", list(AcceptanceRule), ids=lambda r: r.value)
+def test_sampled_trees_verify_identically_over_the_link(server, smol_model, fingerprint, prompts, rule):
+    """Same sampled tree (seed, temperature, rule and, for the rejection rule, q weights on the wire)
+    -> same accept/reject decisions locally and remotely."""
     from edgespec.edge.drafting import Drafter
 
-    sampling = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=1234)
+    sampling = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=1234, rule=rule)
     drafter = Drafter(smol_model, ContextConfig(n_ctx=N_CTX, max_tree_nodes=33))
     local = LlamaTreeVerifier(smol_model, ContextConfig(n_ctx=N_CTX))
     committed = list(prompts[3])
@@ -230,7 +232,7 @@ def test_sampled_trees_verify_identically_over_the_link(server, smol_model, fing
             local.sync(committed)
             for step in range(6):
                 draft = drafter.grow(committed, TreeShape(budget=12, max_depth=4), sampling, step)
-                assert draft.tree.q_tokens.shape[1] > 0
+                assert (draft.tree.q_tokens.shape[1] > 0) == (rule is AcceptanceRule.REJECTION)
                 a, b = local.verify(draft.tree, sampling, step), link.verify(draft.tree, sampling, step)
                 assert (a.path, a.tokens) == (b.path, b.tokens)
                 np.testing.assert_allclose(a.margins, b.margins, rtol=1e-6)

@@ -1,0 +1,304 @@
+"""Router: which drafter (expert, or a mix the pool offers) and which tree, for this request.
+
+One decision, seen from two sides. The planner (planner.py) prices a step: round trip, uplink,
+the verifier's cost per node, all fitted from the traffic. The router adds what the planner cannot
+know: how well each expert drafts *this kind of request*, and what that expert's drafting costs.
+For every (expert, ladder shape) pair it predicts
+
+    tokens/s = tree_tokens(shape, a_e(x), a_sibling) / (planner.step_seconds(shape, 0) + draft_e(shape))
+
+and takes the best; plain target decoding (no draft) is always on the ladder, so the router never
+chooses to be slower than AR as far as its model knows. `tree_tokens` is the planner's own token
+model, `a_sibling` the planner's calibrated acceptance of an unlikely node.
+
+a_e(x) is the probability that a node on expert e's best path is accepted given its parent was,
+in the context x (the MiniLM embedding of the request and recent turns, plus a bias term): a
+Bayesian linear regression per expert over x (LinUCB/linear Thompson sampling), learned online
+from what the verifier accepted: a step whose best path survived L of D depths counts L accepted
+trials and one rejected one (none when L = D). Exploration is Thompson sampling of a_e(x) from its
+posterior (one draw per expert and decision), so an expert with few observations in a region of
+embedding space gets tried there, and stops being tried once the evidence says it is worse.
+Regression over the embedding (rather than clusters) generalises to requests never seen: a new
+code prompt lands near earlier code prompts.
+
+Drafting cost per expert: seconds = fixed + per_decode * depth, running averages of measured
+proposals (a lookup or template costs ~0, a draft model one decode per depth).
+
+What was learned persists across restarts in `$EDGESPEC_HOME/router/state.npz` (atomic replace),
+keyed by expert name and the embedding model; experts not seen before start from the prior.
+
+Cost of a decision: embedding the request dominates (about 0.25 ms per token on one quiet core,
+so the request is embedded up to `route_tokens`, and earlier turns once each, cached); scoring is
+a few microseconds per (expert, shape). tools/bench_router.py measures both.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from edgespec.common import modelstore
+from edgespec.edge.drafting import TreeShape
+from edgespec.edge.planner import Planner, tree_tokens
+
+if TYPE_CHECKING:
+    from edgespec.edge.embedding import Embedder
+
+STATE_VERSION = 1
+NOISE = 0.5            # std of one Bernoulli trial at most: scales the posterior of a_e(x)
+PRIOR_TRIALS = 1.0     # ridge strength: pseudo-trials per direction pulling a_e(x) to the prior
+PRIOR_ACCEPTANCE = 0.5
+RECENT_WEIGHT = 0.5    # weight of the previous turn in the context vector (halved per turn further back)
+
+
+def default_state_path() -> Path:
+    return modelstore.home_dir() / "router" / "state.npz"
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """An option the router chooses among: an expert of the pool or a mix of them (the pool names
+    it), with its drafting cost as known before any measurement."""
+
+    name: str
+    seconds_per_decode: float = 0.03   # one draft-model decode per tree depth; ~0 for lookup/templates
+    seconds_fixed: float = 0.0
+
+
+@dataclass
+class _Arm:
+    """Posterior of a_e(x) = w . x (ridge regression, A = prior + sum n x x^T) and measured cost."""
+
+    spec: ArmSpec
+    dim: int
+    A: np.ndarray = field(init=False)
+    b: np.ndarray = field(init=False)
+    A_inv: np.ndarray = field(init=False)
+    per_decode_s: float = field(init=False)
+    fixed_s: float = field(init=False)
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.A = PRIOR_TRIALS * np.eye(self.dim)
+        self.b = np.zeros(self.dim)
+        self.b[-1] = PRIOR_TRIALS * PRIOR_ACCEPTANCE   # bias term: a_e = prior everywhere at first
+        self.A_inv = np.linalg.inv(self.A)
+        self.per_decode_s, self.fixed_s = self.spec.seconds_per_decode, self.spec.seconds_fixed
+
+    @property
+    def w(self) -> np.ndarray:
+        return self.A_inv @ self.b
+
+    def acceptance(self, x: np.ndarray, rng: np.random.Generator | None, explore: float) -> float:
+        mean = float(self.w @ x)
+        if rng is not None and explore > 0:
+            sd = NOISE * float(np.sqrt(max(x @ self.A_inv @ x, 0.0)))
+            mean += explore * sd * float(rng.standard_normal())
+        return min(max(mean, 0.0), 0.99)
+
+    def update(self, x: np.ndarray, hits: float, trials: float) -> None:
+        if trials <= 0:
+            return
+        self.A += trials * np.outer(x, x)
+        self.b += hits * x
+        ax = self.A_inv @ x   # Sherman-Morrison: A_inv stays exact without an O(d^3) inverse per step
+        self.A_inv -= trials * np.outer(ax, ax) / (1.0 + trials * float(x @ ax))
+        self.steps += 1
+
+    def draft_seconds(self, shape: TreeShape) -> float:
+        return 0.0 if shape.budget == 0 else self.fixed_s + self.per_decode_s * shape.max_depth
+
+    def observe_cost(self, draft_s: float, decodes: int) -> None:
+        """Running average of measured proposals: per decode for experts that decode, else fixed."""
+        if decodes > 0:
+            self.per_decode_s = 0.8 * self.per_decode_s + 0.2 * (draft_s - self.fixed_s) / decodes
+        else:
+            self.fixed_s = 0.8 * self.fixed_s + 0.2 * draft_s
+
+
+@dataclass(frozen=True)
+class Route:
+    """A turn's context: computed once per turn, reused by every step's `choose`."""
+
+    x: np.ndarray          # unit embedding + bias term
+
+
+@dataclass(frozen=True)
+class Choice:
+    arm: str | None        # None: no draft this step (plain target decoding)
+    shape: TreeShape
+    rung: int              # index in the planner's ladder
+    tokens: float          # predicted tokens per step
+    seconds: float         # predicted step time
+    acceptance: float      # a_e(x) used (sampled when exploring)
+    route: Route
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
+class Router:
+    """Chooses (expert, tree shape) per step; learns a_e(x) from the verifier's answers."""
+
+    def __init__(self, arms: Sequence[ArmSpec | str], *, planner: Planner | None = None,
+                 embedder: "Embedder | None" = None, state_path: str | os.PathLike | None = None,
+                 explore: float = 1.0, seed: int | None = None, route_tokens: int = 64,
+                 save_every: int = 32) -> None:
+        if embedder is None:
+            from edgespec.edge.embedding import Embedder
+            embedder = Embedder(max_tokens=route_tokens)
+        self.embedder = embedder
+        self.planner = planner or Planner()
+        self.dim = int(embedder.embed_one("").shape[0]) + 1
+        self.arms: dict[str, _Arm] = {}
+        for arm in arms:
+            spec = ArmSpec(arm) if isinstance(arm, str) else arm
+            self.arms[spec.name] = _Arm(spec, self.dim)
+        self.explore = explore
+        self.rng = np.random.default_rng(seed)
+        self.state_path = Path(state_path) if state_path is not None else default_state_path()
+        self.save_every = save_every
+        self._unsaved = 0
+        self._turn_cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None
+        self.load()
+
+    # -- context --------------------------------------------------------------------------------
+    def route(self, request: str, recent: Sequence[str] = ()) -> Route:
+        """Embed the request (and, weighted down, the recent turns, most recent first: each is
+        embedded once and cached) into the context vector of this turn."""
+        vec = self._embed(request).astype(np.float64)
+        weight = RECENT_WEIGHT
+        for turn in recent:
+            vec = vec + weight * self._embed(turn)
+            weight *= 0.5
+        norm = float(np.linalg.norm(vec))
+        return Route(np.append(vec / norm if norm > 0 else vec, 1.0))
+
+    def route_async(self, request: str, recent: Sequence[str] = ()) -> "Future[Route]":
+        """`route` on a background thread (onnxruntime releases the GIL): start it with the
+        turn, next to the prompt prefill that the first step waits for anyway, so the embedding
+        is off the critical path and the turn's decision costs one `choose`."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-router")
+        return self._pool.submit(self.route, request, tuple(recent))
+
+    def _embed(self, text: str) -> np.ndarray:
+        key = hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=16).hexdigest()
+        hit = self._turn_cache.get(key)
+        if hit is None:
+            hit = self._turn_cache[key] = self.embedder.embed_one(text)
+            if len(self._turn_cache) > 256:
+                self._turn_cache.popitem(last=False)
+        else:
+            self._turn_cache.move_to_end(key)
+        return hit
+
+    # -- decision -------------------------------------------------------------------------------
+    def choose(self, route: Route, explore: bool = True) -> Choice:
+        """Best predicted tokens/s over every (arm, ladder shape), target-only included."""
+        planner = self.planner
+        a_sibling = float(planner.acceptance(np.array([0.1]))[0])
+        link = [planner.step_seconds(s.budget, 0) for s in planner.ladder]  # verifier + link, no draft
+        rng = self.rng if explore else None
+        best: Choice | None = None
+        for name, arm in self.arms.items():
+            a = arm.acceptance(route.x, rng, self.explore)
+            for rung, shape in enumerate(planner.ladder):
+                tokens = tree_tokens(shape, a, a_sibling)
+                seconds = link[rung] + arm.draft_seconds(shape)
+                if best is None or tokens / seconds > best.rate:
+                    best = Choice(name if shape.budget else None, shape, rung, tokens, seconds, a, route)
+        if best is None:  # no arms: target-only
+            shape = TreeShape.target_only()
+            seconds = planner.step_seconds(0, 0)
+            best = Choice(None, shape, planner.ladder.index(shape), 1.0, seconds, 0.0, route)
+        return best
+
+    def predicted(self, route: Route) -> dict[str, float]:
+        """Posterior mean a_e(x) per arm (no exploration): what the router believes."""
+        return {name: arm.acceptance(route.x, None, 0.0) for name, arm in self.arms.items()}
+
+    # -- learning -------------------------------------------------------------------------------
+    def observe(self, choice: Choice, accepted: int, depth: int | None = None,
+                draft_s: float | None = None, decodes: int | None = None) -> None:
+        """The verifier accepted `accepted` nodes of the `depth`-deep best path that `choice.arm`
+        drafted (depth defaults to the shape's max depth); draft_s/decodes: what drafting cost."""
+        if choice.arm is None:
+            return
+        arm = self.arms[choice.arm]
+        depth = choice.shape.max_depth if depth is None else depth
+        accepted = max(0, min(int(accepted), depth))
+        arm.update(choice.route.x, float(accepted), float(accepted + (1 if accepted < depth else 0)))
+        if draft_s is not None:
+            arm.observe_cost(draft_s, decodes or 0)
+        self._unsaved += 1
+        if self.save_every and self._unsaved >= self.save_every:
+            self.save()
+
+    # -- persistence ----------------------------------------------------------------------------
+    def save(self) -> Path:
+        """Atomically replace the state file (a crash leaves the old one or the new one)."""
+        path = self.state_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        names = list(self.arms)
+        arrays = {
+            "version": np.array(STATE_VERSION), "model_id": np.array(self.embedder.model_id),
+            "names": np.array(names, dtype=str),
+            "A": np.stack([self.arms[n].A for n in names]) if names else np.zeros((0, self.dim, self.dim)),
+            "b": np.stack([self.arms[n].b for n in names]) if names else np.zeros((0, self.dim)),
+            "cost": np.array([[self.arms[n].fixed_s, self.arms[n].per_decode_s, self.arms[n].steps]
+                              for n in names]).reshape(-1, 3),
+        }
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **arrays)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self._unsaved = 0
+        return path
+
+    def load(self) -> bool:
+        """Adopt a saved state for the arms known by name; False (fresh start) when there is none,
+        it is unreadable, or it was learned over another embedding model or dimension."""
+        try:
+            with np.load(self.state_path, allow_pickle=False) as z:
+                if int(z["version"]) != STATE_VERSION or str(z["model_id"]) != self.embedder.model_id \
+                        or z["A"].shape[1:] != (self.dim, self.dim):
+                    return False
+                names, A, b, cost = list(z["names"]), z["A"], z["b"], z["cost"]
+        except (OSError, KeyError, ValueError):
+            return False
+        for i, name in enumerate(names):
+            arm = self.arms.get(str(name))
+            if arm is None:
+                continue
+            arm.A, arm.b = A[i].astype(np.float64), b[i].astype(np.float64)
+            arm.A_inv = np.linalg.inv(arm.A)
+            arm.fixed_s, arm.per_decode_s, arm.steps = float(cost[i, 0]), float(cost[i, 1]), int(cost[i, 2])
+        return True
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._unsaved:
+            self.save()
+
+    def snapshot(self) -> dict:
+        return {name: {"steps": arm.steps, "ms_per_decode": round(1000 * arm.per_decode_s, 3),
+                       "ms_fixed": round(1000 * arm.fixed_s, 3),
+                       "acceptance_bias": round(float(arm.w[-1]), 3)} for name, arm in self.arms.items()}

@@ -1,0 +1,162 @@
+"""Router: learns which expert pays in which context, prices drafting against the planner's cost
+model, and keeps what it learned across restarts.
+
+The embedding model is the real all-MiniLM-L6-v2 int8 ONNX (fetched by `edgespec models fetch
+router`); only the experts are synthetic: each accepts drafted tokens with a known probability per
+domain, so the better choice is known exactly.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgespec.edge.planner import Planner, StepObservation
+from edgespec.edge.router import ArmSpec, Router
+
+CODE = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Implement binary search over a sorted list in Python.",
+    "Fix the bug in this JavaScript: for (let i = 0; i <= arr.length; i++) sum += arr[i];",
+    "Write a SQL query that counts orders per customer and sorts by the count.",
+    "def parse_csv(path):\n    with open(path) as f:\n        return [line.split(',') for line in f]\n# add error handling",
+    "Write a Rust function that reverses a vector in place.",
+    "Implement a linked list class with push and pop methods in Java.",
+    "Write a bash script that renames every .txt file in a directory to .md.",
+    "Refactor this Python loop into a list comprehension: out = []\nfor x in xs:\n    out.append(x * 2)",
+    "Write a C function that computes the length of a null-terminated string.",
+    "Write a Python class for a stack with push, pop and peek, with type hints.",
+    "Implement quicksort in Go.",
+]
+PROSE = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Describe a walk through an autumn forest in the morning.",
+    "Write a poem about the sea at night.",
+    "Tell me about the history of the Roman Empire in a few paragraphs.",
+    "Write a heartfelt letter to an old friend you have not seen in years.",
+    "Explain to a child why the sky is blue, in a friendly tone.",
+    "Summarise the plot of a novel about a family moving to a new country.",
+    "Write a travel diary entry about a rainy day in Lisbon.",
+    "Describe your perfect weekend in the countryside.",
+    "Write a fairy tale about a fox and a clever crow.",
+    "Write a motivational speech for a graduating class.",
+    "Describe the feeling of the first snow of winter.",
+]
+TRUE = {"code-expert": {"code": 0.9, "prose": 0.35}, "prose-expert": {"code": 0.4, "prose": 0.85}}
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    from edgespec.edge.embedding import Embedder
+    return Embedder()
+
+
+def remote_planner(rtt_s: float = 0.1, per_node_s: float = 0.002) -> Planner:
+    """A planner that has measured a far verifier with cheap nodes (trees pay there)."""
+    planner = Planner()
+    for nodes in (0, 16, 4, 32, 8) * 3:
+        planner.observe(StepObservation(
+            nodes=nodes, draft_s=0.0, draft_decodes=0, network_s=rtt_s, bytes_up=48 + 8 * nodes,
+            verify_s=0.01 + per_node_s * (nodes + 1), queue_s=0.0, scores=np.zeros(0), accepted=np.zeros(0, bool)))
+    return planner
+
+
+def drafted_run(rng: np.random.Generator, acceptance: float, depth: int) -> int:
+    """Accepted depth of a chain whose every token is accepted with `acceptance`."""
+    accepted = 0
+    while accepted < depth and rng.random() < acceptance:
+        accepted += 1
+    return accepted
+
+
+def train(router: Router, rng: np.random.Generator, prompts: dict[str, list[str]], turns: int,
+          steps_per_turn: int = 4) -> list[bool]:
+    """Simulated turns; returns, per turn, whether the router's first pick was the truly better expert."""
+    right = []
+    for _ in range(turns):
+        domain = "code" if rng.random() < 0.5 else "prose"
+        route = router.route(prompts[domain][rng.integers(len(prompts[domain]))])
+        for step in range(steps_per_turn):
+            choice = router.choose(route)
+            if step == 0:
+                right.append(choice.arm == f"{domain}-expert")
+            if choice.arm is None:
+                continue
+            accepted = drafted_run(rng, TRUE[choice.arm][domain], choice.shape.max_depth)
+            router.observe(choice, accepted, draft_s=0.002 * choice.shape.max_depth, decodes=choice.shape.max_depth)
+    return right
+
+
+def test_router_learns_the_better_expert_per_domain_and_generalises(embedder, tmp_path) -> None:
+    rng = np.random.default_rng(7)
+    arms = [ArmSpec("code-expert", seconds_per_decode=0.002), ArmSpec("prose-expert", seconds_per_decode=0.002)]
+    router = Router(arms, planner=remote_planner(), embedder=embedder, state_path=tmp_path / "r.npz", seed=1)
+    train_set = {"code": CODE[:8], "prose": PROSE[:8]}
+    right = train(router, rng, train_set, turns=120)
+    assert np.mean(right[-40:]) >= 0.85, right
+    # Held-out prompts (never routed before): the posterior mean picks the right expert for each.
+    for domain, held_out in (("code", CODE[8:]), ("prose", PROSE[8:])):
+        for prompt in held_out:
+            route = router.route(prompt)
+            choice = router.choose(route, explore=False)
+            believed = router.predicted(route)
+            assert choice.arm == f"{domain}-expert", (prompt, believed)
+            other = "prose-expert" if domain == "code" else "code-expert"
+            assert believed[f"{domain}-expert"] > believed[other] + 0.1, (prompt, believed)
+            assert choice.shape.budget > 0    # far verifier, cheap nodes: speculation pays
+
+
+def test_router_maximises_tokens_per_second_not_acceptance(embedder, tmp_path) -> None:
+    """An expert that accepts more but drafts 100x slower loses; with a verifier next door and dear
+    nodes, no draft at all wins (AR is always a choice)."""
+    rng = np.random.default_rng(3)
+    arms = [ArmSpec("slow-accurate", seconds_per_decode=0.3), ArmSpec("fast", seconds_per_decode=0.003)]
+    router = Router(arms, planner=remote_planner(), embedder=embedder, state_path=tmp_path / "r.npz", seed=2)
+    truth = {"slow-accurate": 0.95, "fast": 0.8}
+    route = router.route(CODE[0])
+    for _ in range(60):  # both measured: forced alternation, so each gets evidence
+        for arm in truth:
+            choice = router.choose(route)
+            shape = router.planner.ladder[2]   # chain(4) for both
+            choice = type(choice)(arm, shape, 2, choice.tokens, choice.seconds, choice.acceptance, route)
+            router.observe(choice, drafted_run(rng, truth[arm], shape.max_depth), draft_s=router.arms[arm].spec.seconds_per_decode * 4, decodes=4)
+    believed = router.predicted(route)
+    assert believed["slow-accurate"] > believed["fast"]
+    assert router.choose(route, explore=False).arm == "fast"
+
+    near = Router(arms, planner=remote_planner(rtt_s=0.0, per_node_s=0.05), embedder=embedder,
+                  state_path=tmp_path / "near.npz")
+    choice = near.choose(near.route(CODE[0]), explore=False)
+    assert choice.arm is None and choice.shape.budget == 0
+
+
+def test_router_state_round_trips(embedder, tmp_path) -> None:
+    rng = np.random.default_rng(5)
+    path = tmp_path / "state" / "router.npz"
+    arms = [ArmSpec("code-expert", 0.002), ArmSpec("prose-expert", 0.002)]
+    router = Router(arms, planner=remote_planner(), embedder=embedder, state_path=path, seed=4, save_every=0)
+    train(router, rng, {"code": CODE, "prose": PROSE}, turns=30)
+    router.save()
+    assert sorted(p.name for p in path.parent.iterdir()) == ["router.npz"]   # no temp file left behind
+
+    again = Router([*arms, ArmSpec("new-expert", 0.002)], planner=remote_planner(), embedder=embedder, state_path=path)
+    for prompt in (CODE[0], PROSE[0]):
+        route = router.route(prompt)
+        before, after = router.predicted(route), again.predicted(route)
+        for name in ("code-expert", "prose-expert"):
+            assert after[name] == pytest.approx(before[name], abs=1e-9)
+        assert after["new-expert"] == pytest.approx(0.5, abs=0.05)   # unseen expert: the prior
+    assert again.arms["code-expert"].steps == router.arms["code-expert"].steps > 0
+    assert again.arms["code-expert"].per_decode_s == pytest.approx(router.arms["code-expert"].per_decode_s)
+
+    # route_async gives the same context vector, computed off the caller's thread.
+    assert np.allclose(again.route_async(PROSE[1]).result(timeout=60).x, again.route(PROSE[1]).x)
+    again.close()
+
+    # A state learned over another embedding model is not adopted: fresh start at the prior.
+    with np.load(path) as z:
+        arrays = dict(z)
+    arrays["model_id"] = np.array("another-embedding-model")
+    np.savez(path, **arrays)
+    other = Router(arms, planner=remote_planner(), embedder=embedder, state_path=path)
+    assert other.load() is False
+    assert other.predicted(router.route(CODE[0]))["code-expert"] == pytest.approx(0.5)

@@ -46,6 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                  device=args.device or "cpu", dtype=args.dtype, max_sessions=args.max_sessions)
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    step_log = _step_log(args, backend, path) if args.log_dir else None
     try:
         server = VerifierServer(
             backend, host=args.host, port=args.port, token=token, tls_cert=args.tls_cert, tls_key=args.tls_key,
@@ -78,8 +79,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log.warning("parent process %d is gone: shutting down", parent)
             break
     server.stop(grace_s=2.0)
+    if step_log is not None:
+        step_log.close()
     backend.close()
     return 0
+
+
+def _step_log(args: argparse.Namespace, backend, path):  # noqa: ANN001, ANN202
+    """The opt-in step log (verifier/steplog.py), attached to a backend that can record steps."""
+    from edgespec.verifier.steplog import StepLog
+
+    if not hasattr(backend, "step_log"):
+        backend.close()
+        raise CliError(f"--log-dir: the {args.backend} backend does not record steps (use --backend llama)")
+    info = backend.info
+    try:
+        backend.step_log = StepLog(args.log_dir, top_k=args.log_top_k, meta={
+            "model_id": info.model_id, "tokenizer_hash": info.tokenizer_hash, "vocab_size": info.vocab_size,
+            "model_file": os.path.basename(str(path))})
+    except (OSError, ValueError) as exc:
+        backend.close()
+        raise CliError(f"--log-dir {args.log_dir}: {exc}") from None
+    return backend.step_log
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -144,6 +165,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--device", default=None, help="torch backend: cpu (default), cuda or cuda:N")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="torch backend: weight and KV dtype (default float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="record every verified step (context, accepted path, the target's top-k at the deciding "
+                        "positions) in DIR, for tools/distill.py (llama backend)")
+    p.add_argument("--log-top-k", type=int, default=32, help="target tokens kept per deciding position (default 32)")
     p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_serve)
 

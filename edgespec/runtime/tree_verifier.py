@@ -15,9 +15,12 @@ Invariant of the KV cache: it holds every committed token except the last one (t
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
+
+import numpy as np
 
 from edgespec.common.acceptance import (
+    Acceptance,
     VerifyResult,
     accept_logits,
     check_context,
@@ -31,6 +34,10 @@ from edgespec.runtime.llama import ContextConfig, LlamaModel, TreeContext
 
 class LocalVerifier:
     """The target model in this process, verifying against the context its caller passes."""
+
+    # Called after each verified tree with (context, tree, acceptance, per-node logits) while the
+    # logits are at hand: the verifier's opt-in step log (verifier/steplog.py). None: no cost.
+    on_verified: Callable[[Sequence[int], TokenTree, Acceptance, np.ndarray], None] | None = None
 
     def __init__(self, model: LlamaModel, config: ContextConfig = ContextConfig(), max_depth: int = 32) -> None:
         self.model = model
@@ -53,6 +60,8 @@ class LocalVerifier:
         started = time.perf_counter()
         logits, leaf_seq = self.ctx.decode_tree(tree.tokens.tolist(), tree.parents.tolist())
         acc, margins = accept_logits(tree, sampling, step, logits.argmax(axis=1), logits.__getitem__)
+        if self.on_verified is not None:
+            self.on_verified(context, tree, acc, logits)
         accepted_tokens = tree.tokens[acc.path].tolist()
         self.ctx.adopt_branch(leaf_seq[acc.path[-1] if acc.path else 0], [int(tree.tokens[0]), *accepted_tokens])
         return VerifyResult(path=acc.path, tokens=[*accepted_tokens, acc.next_token], margins=margins,

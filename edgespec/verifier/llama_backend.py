@@ -18,11 +18,14 @@ from edgespec.verifier.backends import (
     ModelInfo,
     model_identity,
 )
+from edgespec.verifier.steplog import StepLog
 
 
 class _LlamaSession(BackendSession):
-    def __init__(self, model: LlamaModel, config: ContextConfig, max_depth: int) -> None:
+    def __init__(self, model: LlamaModel, config: ContextConfig, max_depth: int, step_log: StepLog | None) -> None:
         self._verifier = LlamaTreeVerifier(model, config, max_depth=max_depth)
+        if step_log is not None:
+            self._verifier.verifier.on_verified = step_log.session()
 
     def sync(self, tokens: list[int]) -> None:
         self._verifier.sync(tokens)
@@ -86,8 +89,10 @@ class LlamaCppBackend(Backend):
             kv_bytes_per_session=kv + logits,
             extra={"path": str(self.model.path), "gpu_layers": self.model.gpu_layers, "threads": n_threads})
 
+    step_log: StepLog | None = None   # set to record every verified step (`verifier serve --log-dir`)
+
     def open_session(self) -> BackendSession:
-        return _LlamaSession(self.model, self.config, self.max_depth)
+        return _LlamaSession(self.model, self.config, self.max_depth, self.step_log)
 
     def close(self) -> None:
         self.model.close()

@@ -196,10 +196,13 @@ class Decoder:
             return Draft(TokenTree.chain(committed[-1], []), [0], np.ones(1), shape=shape.label)
         draft = self.drafter.grow(committed, shape, sampling, step, stop=stop)
         draft.shape = shape.label
-        if self.planner and not self.planner.exploring:
+        # The planner cuts the tree by the drafted scores. Under the sampled rejection rule a cut must
+        # not depend on the drawn values (drafting.selection_order), so such trees go out whole.
+        if self.planner and not self.planner.exploring and not draft.prefix_groups:
             q_per_node = float(draft.tree.q_tokens.shape[1])
-            draft = draft.pruned(self.planner.prune_size(draft.scores[1:], draft.decodes, q_per_node,
-                                                         depths=draft.tree.depths[1:]))
+            order = draft.order()
+            draft = draft.pruned(self.planner.prune_size(draft.scores[order], draft.decodes, q_per_node,
+                                                         depths=draft.tree.depths[order]))
         return draft
 
     def _draft_ahead(self, committed: list[int], draft: Draft, sampling: SamplingParams, step: int,

@@ -319,3 +319,18 @@ def test_budget_counts_every_adapter_and_eviction_takes_dependents_with_the_base
         assert other.loaded() and not base.loaded() and not lora.loaded()
     finally:
         pool.close()
+
+
+# -- EdgeSession wiring ---------------------------------------------------------------------------
+def test_session_with_lookup_is_lossless_and_frees_the_pool(smol_path, smol_model):
+    from edgespec import EdgeSession
+    from lossless import spec_tokens
+
+    with EdgeSession(smol_path, smol_path, local=True, tree=SHAPE, n_ctx=1024, lookup=True,
+                     experts=[TemplateExpert.for_model(smol_model)]) as session:
+        prompt = session.draft_model.chat_tokens([{"role": "user", "content": REPEAT_PROMPT}])
+        ref = target_only_greedy(smol_model, prompt, 40)
+        assert_lossless(spec_tokens(session, prompt, 40), ref, "session-lookup")
+        assert [r["name"] for r in session.pool.report()] == ["draft", "lookup", "template"]
+        assert session.pool.stats()["lookup"].proposals > 0
+    assert session.drafter.ctx.closed

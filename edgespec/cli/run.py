@@ -35,6 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     tree.add_argument("--branch", type=int, help="fixed tree: children considered per node (default 4)")
     tree.add_argument("--width", type=int, help="fixed tree: nodes expanded per depth (default 4)")
     tree.add_argument("--chain", type=int, metavar="K", help="classic chain speculation with K drafts instead of a tree")
+    tree.add_argument("--lookup", action="store_true",
+                      help="draft pool: merge the draft model's tree with a lookup in the conversation so far")
     link = p.add_argument_group("verifier")
     where = link.add_mutually_exclusive_group()
     where.add_argument("--verifier", metavar="HOST:PORT", help="remote verifier (default: a bundled one on loopback)")
@@ -101,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
                     draft_gpu_layers=args.draft_gpu_layers, target_gpu_layers=args.target_gpu_layers)
     with CtrlC() as ctrl_c:
         try:
-            session = EdgeSession(args.draft, args.target, tree=shape, n_ctx=args.n_ctx, **link, **hardware)
+            session = EdgeSession(args.draft, args.target, tree=shape, n_ctx=args.n_ctx, lookup=args.lookup, **link,
+                                  **hardware)
         except KeyboardInterrupt:
             print("[edgespec] interrupted while starting", file=sys.stderr)
             return 130

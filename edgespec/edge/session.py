@@ -31,6 +31,7 @@ from edgespec.runtime.tree_verifier import LocalVerifier
 if TYPE_CHECKING:
     from edgespec.edge.embedded import EmbeddedVerifier
     from edgespec.edge.failover import FailoverVerifier, SwitchEvent
+    from edgespec.edge.pool import DraftPool, Expert
 
 Messages = str | Sequence[dict[str, str]]
 
@@ -97,7 +98,8 @@ class EdgeSession:
                  deadline_s: float | None = None, probe_interval_s: float = 2.0, failure_threshold: int = 1,
                  on_switch: Callable[[SwitchEvent], None] | None = None, draft_threads: int | None = None,
                  target_threads: int | None = None, draft_gpu_layers: int | None = None,
-                 target_gpu_layers: int | None = None, local_first: bool = False) -> None:
+                 target_gpu_layers: int | None = None, local_first: bool = False, lookup: bool = False,
+                 experts: Sequence[Expert] = ()) -> None:
         """Draft with `draft`; verify against `target` (manifest names, role aliases or GGUF paths).
 
         Where verification runs:
@@ -123,6 +125,12 @@ class EdgeSession:
         settings, token, model) raises here, naming the cause (VerifierConfigError, or the refusal's
         own error): fallback never hides a configuration mistake. `local_first=True` starts
         verifying locally instead, attaching the verifier once the probe reaches it.
+
+        Draft pool (edgespec/edge/pool): `lookup=True` adds a model-free lookup expert (the
+        conversation so far) under the draft model, and `experts` adds any others (LoRA adapters,
+        templates, more GGUF drafts); their trees are merged into one per step, exact under greedy
+        and target-sample (the rejection rule drafts with the model alone). `self.pool` is the
+        DraftPool (None without one): the router's handle (set_active, stats, report).
 
         Hardware: `draft_threads`/`target_threads` are llama.cpp threads of the draft and of this
         device's copy of the target (local mode, the bundled verifier, the fallback); None picks
@@ -216,7 +224,13 @@ class EdgeSession:
             self.stats.link = verifier.link_stats
         self.verifier = verifier
         self.drafter = Drafter(self.draft_model, config)
-        self.decoder = Decoder(self.drafter, verifier, self.stats, tree, self.draft_model.is_end_of_generation,
+        self.pool: DraftPool | None = None
+        if lookup or experts:
+            from edgespec.edge.pool import DraftPool, LookupExpert, ModelExpert
+
+            self.pool = DraftPool([ModelExpert.around("draft", self.drafter), *([LookupExpert()] if lookup else []),
+                                   *experts])
+        self.decoder = Decoder(self.pool or self.drafter, verifier, self.stats, tree, self.draft_model.is_end_of_generation,
                                pipelined=not local)
 
     def reset_stats(self) -> SessionStats:
@@ -282,6 +296,8 @@ class EdgeSession:
         try:
             self.decoder.close()               # waits for the verify thread
             self.verifier.close()
+            if self.pool is not None:
+                self.pool.close()              # the experts it loaded; the draft model's drafter is ours
             self.drafter.close()
         finally:
             try:

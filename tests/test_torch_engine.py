@@ -292,3 +292,86 @@ def test_reserve_and_trim():
         s.reserve(100)
     assert len(s.blocks) == 2
     s.close()
+
+
+def test_exhausted_pool_fails_only_that_request(model):
+    """In a batch, a tree the pool cannot hold gets OutOfBlocksError (RESOURCE_EXHAUSTED on the
+    wire); the other requests are verified, and the failed session can go on with a smaller tree."""
+    from edgespec.verifier.torch.backend import TorchBackend
+
+    backend = TorchBackend.from_model(model, n_ctx=96, max_nodes=32, max_depth=16, max_sessions=2, block_size=16)
+    rng = np.random.default_rng(4)
+    sessions = []
+    for _ in range(3):  # one more session than the pool was sized for
+        s = backend.open_session()
+        s.sync(rng.integers(0, VOCAB, size=75).tolist())
+        sessions.append(s)
+    free = backend.engine.cache.pool.num_free
+    trees = [TokenTree(tokens=np.array([s.committed[-1]] + list(range(1, 31))), parents=np.array([-1] + [0] * 30))
+             for s in sessions]
+    results = backend.verify_many([(s, t, SamplingParams(), 0) for s, t in zip(sessions, trees)])
+    assert 4 <= free < 6, "two trees fit, three do not"
+    assert [type(r).__name__ for r in results] == ["VerifyResult", "VerifyResult", "OutOfBlocksError"]
+    last = sessions[2]
+    n = len(last.committed)
+    r = last.verify(TokenTree(tokens=np.array([last.committed[-1]]), parents=np.array([-1])), SamplingParams(), 1)
+    assert len(last.committed) == n + len(r.tokens)
+    for s in sessions:
+        s.close()
+    assert backend.engine.cache.report().used_blocks == 0
+
+
+def test_paged_cache_random_operations_keep_every_sequence_intact():
+    """Property test over random operation sequences (append, share a prefix, truncate, reserve and
+    trim, close): every sequence always reads back exactly what was written for it, refcounts equal
+    the number of owners, and no block is both free and owned."""
+    rng = np.random.default_rng(12)
+    for trial in range(30):
+        bs = int(rng.integers(1, 5))
+        cache = PagedKVCache(1, 1, 2, num_blocks=int(rng.integers(8, 30)), block_size=bs)
+        seqs, shadow = [], []
+        for _ in range(60):
+            op = rng.integers(0, 6)
+            try:
+                if op == 0 or not seqs:
+                    seqs.append(cache.new_sequence())
+                    shadow.append(torch.zeros(1, 2, 0, 1, 2))
+                    continue
+                i = int(rng.integers(0, len(seqs)))
+                s = seqs[i]
+                if op == 1:
+                    rows = torch.randn(1, 2, int(rng.integers(1, 7)), 1, 2)
+                    s.append(rows)
+                    shadow[i] = torch.cat((shadow[i], rows), dim=2)
+                elif op == 2:
+                    n = int(rng.integers(0, len(s) + 1))
+                    s.truncate(n)
+                    shadow[i] = shadow[i][:, :, :n]
+                elif op == 3 and len(seqs) > 1:
+                    j = int(rng.integers(0, len(seqs)))
+                    if j != i:
+                        s.truncate(0)
+                        got = s.share_prefix(seqs[j], int(rng.integers(0, len(seqs[j]) + 1)))
+                        shadow[i] = shadow[j][:, :, :got]
+                elif op == 4:
+                    s.reserve(len(s) + int(rng.integers(0, 9)))
+                    s.trim()
+                elif op == 5:
+                    s.close()
+                    del seqs[i], shadow[i]
+            except OutOfBlocksError:
+                pass  # allowed; the sequence must be unchanged (checked below)
+            owners = {}
+            for s, want in zip(seqs, shadow):
+                assert len(s) == want.shape[2]
+                if len(s):
+                    tables = cache.block_tables([s])
+                    assert torch.equal(cache.gather(0, tables)[:, 0, :len(s)][None], want), f"trial {trial}"
+                for b in s.blocks:
+                    owners[b] = owners.get(b, 0) + 1
+            for b in range(1, cache.pool.num_blocks):
+                assert cache.pool.refcount[b] == owners.get(b, 0)
+            assert not set(cache.pool._free) & set(owners)
+            assert cache.pool.num_free + len(owners) == cache.pool.num_blocks - 1
+        report = cache.report()
+        assert 0.0 <= report.fragmentation <= 1.0

@@ -35,6 +35,7 @@ from edgespec.verifier.backends import (
     model_identity,
 )
 from edgespec.verifier.torch import gguf_weights
+from edgespec.verifier.torch.block_pool import OutOfBlocksError
 from edgespec.verifier.torch.engine import Decision, Engine, TreeStep, decided_on_device
 from edgespec.verifier.torch.model import TransformerLM
 
@@ -183,6 +184,18 @@ class TorchBackend(Backend):
                 index.append(i)
             except Exception as exc:  # noqa: BLE001 - that request alone fails
                 results[i] = exc
+        # Reserve each tree's blocks first, one request at a time: a pool that cannot hold a tree
+        # fails that request alone (OutOfBlocksError: RESOURCE_EXHAUSTED), not the whole batch.
+        kept_steps, kept_index = [], []
+        for i, step in zip(index, steps):
+            try:
+                step.seq.reserve(step.seq.length + len(step.tokens))
+            except OutOfBlocksError as exc:
+                results[i] = exc
+                continue
+            kept_steps.append(step)
+            kept_index.append(i)
+        steps, index = kept_steps, kept_index
         if steps:
             started = time.perf_counter()
             try:

@@ -41,6 +41,12 @@ class CacheReport:
     partial_blocks: int        # tail blocks not yet full
     empty_slots_in_partial: int
     filled_slots: int          # distinct slots holding K/V (shared ones counted once)
+    largest_free_run: int = 0  # longest run of consecutive free block ids
+
+    @property
+    def fragmentation(self) -> float:
+        """F = 1 - largest free run / free blocks (0: the free blocks are one run)."""
+        return 1.0 - self.largest_free_run / self.free_blocks if self.free_blocks else 0.0
 
     @property
     def utilization(self) -> float:
@@ -50,7 +56,8 @@ class CacheReport:
     def summary(self) -> str:
         return (f"{self.used_blocks}/{self.num_blocks} blocks used ({self.free_blocks} free, {self.shared_blocks} "
                 f"shared), {self.sequences} sequences, {self.tokens} tokens, {self.partial_blocks} partial tail "
-                f"blocks with {self.empty_slots_in_partial} empty slots, utilization {self.utilization:.3f}")
+                f"blocks with {self.empty_slots_in_partial} empty slots, utilization {self.utilization:.3f}, "
+                f"fragmentation {self.fragmentation:.3f}")
 
 
 class PagedKVCache:
@@ -114,7 +121,16 @@ class PagedKVCache:
         return CacheReport(block_size=self.block_size, num_blocks=pool.num_blocks, free_blocks=pool.free,
                            used_blocks=pool.used, shared_blocks=pool.shared, sequences=len(self._sequences),
                            tokens=sum(s.length for s in self._sequences), partial_blocks=partial,
-                           empty_slots_in_partial=empty, filled_slots=sum(filled.values()))
+                           empty_slots_in_partial=empty, filled_slots=sum(filled.values()),
+                           largest_free_run=self._largest_free_run())
+
+    def _largest_free_run(self) -> int:
+        best = run = 0
+        last = None
+        for b in sorted(self.pool._free):
+            run = run + 1 if last is not None and b == last + 1 else 1
+            best, last = max(best, run), b
+        return best
 
 
 class KVSequence:

@@ -15,10 +15,10 @@ The pool's own overhead (merge, bookkeeping) is reported as a fraction of the ex
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 from edgespec.common import modelstore
@@ -149,6 +149,39 @@ def make_drafter(config: str, drafter: Drafter, model: LlamaModel) -> Drafter | 
     return DraftPool(experts)
 
 
+def summarize(rows: list[dict], configs: list[str], header: str) -> str:
+    """The markdown for docs/BENCHMARKS.md, from the per-run rows (also those of a partial run)."""
+    def total(select) -> dict[str, float]:
+        chosen = [r for r in rows if select(r)]
+        out = {k: sum(r[k] for r in chosen) for k in ("steps", "accepted", "drafted")}
+        for k in ("draft_ms_per_step", "verify_ms_per_step"):
+            out[k] = sum(r[k] * r["steps"] for r in chosen) / max(out["steps"], 1)
+        out["tau"] = 1 + out["accepted"] / out["steps"] if out["steps"] else 0.0
+        out["runs"] = len(chosen)
+        return out
+
+    lines = [header, "", "| set | config | runs | τ (incl. bonus) | accepted/drafted | draft ms/step | verify ms/step | steps |",
+             "|---|---|---|---|---|---|---|---|"]
+    for kind in ("single-turn", "multi-turn"):
+        for name in configs:
+            v = total(lambda r: r["set"] == kind and r["config"] == name)
+            if v["steps"]:
+                acc = f"{v['accepted'] / v['drafted']:.2f}" if v["drafted"] else "—"
+                lines.append(f"| {kind} | {name} | {v['runs']} | {v['tau']:.2f} | {acc} | {v['draft_ms_per_step']:.0f} | "
+                             f"{v['verify_ms_per_step']:.0f} | {v['steps']} |")
+    items = list(dict.fromkeys(r["item"] for r in rows))
+    lines += ["", "Per item, τ (" + " / ".join(configs) + "): " + "; ".join(
+        f"{item} " + " / ".join(f"{total(lambda r: r['item'] == item and r['config'] == n)['tau']:.2f}" for n in configs)
+        for item in items)]
+    for name in configs:
+        pool_rows = [r for r in rows if r["config"] == name and "pool_s" in r]
+        if pool_rows:
+            pool_s, expert_s = sum(r["pool_s"] for r in pool_rows), sum(r["expert_s"] for r in pool_rows)
+            lines += ["", f"Pool overhead ({name}): {1000 * pool_s:.0f} ms of merging and bookkeeping for "
+                          f"{1000 * expert_s:.0f} ms of expert drafting ({100 * pool_s / max(expert_s, 1e-9):.1f} %)."]
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draft", default="draft")
@@ -163,7 +196,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--report", type=Path, help="only print the markdown of a saved --json (e.g. of a partial run)")
     args = ap.parse_args()
+    if args.report:
+        print(summarize(json.loads(args.report.read_text()), args.configs.split(","), f"Rows: {args.report}"))
+        return 0
 
     shape = TreeShape(budget=args.budget, max_depth=6, branching=4, width=4)
     draft_model = LlamaModel(modelstore.resolve(args.draft))
@@ -177,10 +214,12 @@ def main() -> int:
               load_prompts(args.spec_bench, 10_000, args.humaneval, args.seed) if c in wanted or c == "humaneval"]
     seen: set[str] = set()
     single = [(c, m) for c, m in single if c == "humaneval" or not (c in seen or seen.add(c))]
-    workload = [("single-turn", c, m) for c, m in single] + [("multi-turn", c, m) for c, m in MULTI_TURN[:args.multi_turn]]
+    multi = MULTI_TURN[:args.multi_turn]
+    # The two sets alternate, so a run stopped early still measured both.
+    workload = [item for pair in itertools.zip_longest([("single-turn", c, m) for c, m in single],
+                                                       [("multi-turn", c, m) for c, m in multi])
+                for item in pair if item is not None]
     configs = args.configs.split(",")
-    cells: dict[tuple[str, str], SessionStats] = defaultdict(SessionStats)
-    overhead: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])   # config -> [pool s, expert s]
     rows = []
     started = time.time()
     for kind, label, messages in workload:
@@ -196,18 +235,16 @@ def main() -> int:
                 decoder.close()
             extra = {}
             if isinstance(source, DraftPool):
-                overhead[name][0] += source.overhead.seconds
-                overhead[name][1] += source.overhead.expert_seconds
-                extra = {"merged_steps": source.merged_steps, "overhead_fraction": source.overhead.fraction,
-                         "experts": {n: s.as_dict() for n, s in source.stats().items()}}
-            for key in (kind, f"{kind}/{label}"):
-                cells[(key, name)].add(stats)
+                extra = {"pool_s": source.overhead.seconds, "expert_s": source.overhead.expert_seconds,
+                         "merged_steps": source.merged_steps, "experts": {n: s.as_dict() for n, s in source.stats().items()}}
             row = {"set": kind, "item": label, "config": name, "prompt_tokens": len(prompt), "tau": stats.tau,
                    "steps": stats.steps, "tokens": stats.tokens, "drafted": stats.drafted, "accepted": stats.accepted,
                    "draft_ms_per_step": 1000 * stats.draft_seconds / max(stats.steps, 1),
                    "verify_ms_per_step": 1000 * stats.verify_seconds / max(stats.steps, 1), **extra}
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
+            if args.json:   # after every run: a run stopped early keeps what it measured
+                args.json.write_text(json.dumps(rows, indent=1))
         same = len({tuple(o) for o in outputs.values()}) == 1
         if not same:
             print(f"note: outputs differ between configs on {label} (near-tie numerics?)", file=sys.stderr)
@@ -215,25 +252,10 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     if args.markdown:
-        print(f"\nMachine: {machine()}; draft={args.draft}, target={args.target}; greedy, local, 1 thread per "
-              f"model; tree budget {args.budget} (depth {shape.max_depth}, branching {shape.branching}, width "
-              f"{shape.width}) for every config; max {args.max_tokens} new tokens; {minutes:.0f} min.\n")
-        print("| set | config | τ (incl. bonus) | accepted/drafted | draft ms/step | verify ms/step | steps |")
-        print("|---|---|---|---|---|---|---|")
-        for kind in ("single-turn", "multi-turn"):
-            for name in configs:
-                v = cells.get((kind, name))
-                if v is None or not v.steps:
-                    continue
-                acc = f"{v.accepted / v.drafted:.2f}" if v.drafted else "—"
-                print(f"| {kind} | {name} | {v.tau:.2f} | {acc} | {1000 * v.draft_seconds / v.steps:.0f} | "
-                      f"{1000 * v.verify_seconds / v.steps:.0f} | {v.steps} |")
-        print("\nPer item, τ: " + "; ".join(
-            f"{key.split('/', 1)[1]} " + "/".join(f"{cells[(key, n)].tau:.2f}" for n in configs)
-            for key in dict.fromkeys(k for k, _ in cells if "/" in k)) + f" ({'/'.join(configs)})")
-        for name, (pool_s, expert_s) in overhead.items():
-            print(f"\nPool overhead ({name}): {1000 * pool_s:.0f} ms of merging and bookkeeping for "
-                  f"{1000 * expert_s:.0f} ms of expert drafting ({100 * pool_s / max(expert_s, 1e-9):.1f} %).")
+        print(summarize(rows, configs, f"Machine: {machine()}; draft={args.draft}, target={args.target}; greedy, local, "
+                        f"1 thread per model; tree budget {args.budget} (depth {shape.max_depth}, branching "
+                        f"{shape.branching}, width {shape.width}) for every config; max {args.max_tokens} new tokens; "
+                        f"{minutes:.0f} min."))
     drafter.close()
     verifier.close()
     return 0

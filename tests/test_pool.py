@@ -186,7 +186,7 @@ def test_pool_sampled_output_has_the_target_distribution(rule):
     try:
         for seed in range(runs):
             sampling = SamplingParams(temperature=1.0, seed=20_000 + seed, rule=rule)
-            # Lookup needs history: a prompt with a repeat, so its proposals differ from the tables'.
+            # (the lookup proposes from the second step on, once the context repeats a token)
             out = [t for chunk in decoder.run(list(PROMPT), EMITTED, sampling) for t in chunk][:EMITTED]
             counts[tuple(out)] = counts.get(tuple(out), 0) + 1
     finally:
@@ -194,7 +194,7 @@ def test_pool_sampled_output_has_the_target_distribution(rule):
     assert chi2_pvalue(counts, exact_distribution(SamplingParams(temperature=1.0))) > 1e-4
     assert decoder.stats.accepted > 0
     if rule is AcceptanceRule.TARGET_SAMPLE:
-        assert pool.merged_steps > runs / 4
+        assert pool.merged_steps > runs / 4 and pool.stats()["lookup"].sent > 0
     else:
         assert pool.merged_steps == 0 and pool.stats()["other"].proposals == 0
 

@@ -2,6 +2,7 @@
 
 Exit codes: 0 ok, 1 runtime failure, 2 bad usage or bad input (argparse convention), 130 Ctrl-C.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -11,7 +12,12 @@ import sys
 
 from edgespec.common.errors import EdgespecError
 
-SUBCOMMANDS = ("run", "models", "verifier")
+DESCRIPTION = ("edgespec: edge-cloud speculative decoding. The device drafts token trees with a small model, a "
+               "verifier checks them with the target model; the output is the target's own.")
+EPILOG = ("Exit codes: 0 ok, 1 runtime failure, 2 bad usage or bad input, 130 Ctrl-C. "
+          "Run 'edgespec COMMAND --help' for a command's options.")
+
+SUBCOMMANDS = ("run", "serve", "config", "models", "verifier")
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -25,7 +31,14 @@ class CliError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="edgespec", description=__doc__.splitlines()[0])
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ver = version("edgespec")
+    except PackageNotFoundError:   # a source tree that was never installed
+        ver = "unknown"
+    parser = argparse.ArgumentParser(prog="edgespec", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=f"edgespec {ver}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug information")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:

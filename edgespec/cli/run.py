@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -22,10 +23,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--system", help="optional system message")
     p.add_argument("--draft", default="draft", help="draft model: manifest name or GGUF path (default: %(default)s)")
     p.add_argument("--target", default="target", help="target model: manifest name or GGUF path (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=256, help="longest answer in tokens (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the smallest set of tokens with this much probability (default %(default)s = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (default %(default)s = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one per run)")
     p.add_argument("--sampling-rule", choices=[r.value for r in AcceptanceRule], default=AcceptanceRule.TARGET_SAMPLE.value,
                    help="exact acceptance rule for sampled trees (default: %(default)s)")
@@ -133,14 +135,27 @@ def run(args: argparse.Namespace) -> int:
             print(f"[edgespec] {session.stats.summary()}", file=sys.stderr)
             if args.json_stats:
                 s = session.stats
-                print(json.dumps({"tokens": s.tokens, "steps": s.steps, "tau": s.tau,
+                print(json.dumps(finite_json({"tokens": s.tokens, "steps": s.steps, "tau": s.tau,
                                   "acceptance_rate": s.acceptance_rate, "tokens_per_second": s.tokens_per_second,
                                   "prepared_hits": s.prepared_hits, "shapes": s.shapes,
                                   "finish_reason": session.finish_reason, "threads": session.threads,
                                   "gpu_layers": session.gpu_layers,
-                                  "link": s.link.as_dict() if s.link is not None else None, **s.extra},
-                                 default=str), file=sys.stderr)
+                                  "link": s.link.as_dict() if s.link is not None else None,
+                                  **s.extra}), default=str, allow_nan=False), file=sys.stderr)
     return 0
+
+
+def finite_json(value: object) -> object:
+    """JSON has no Infinity or NaN (json.dumps writes them, and strict parsers such as jq and
+    JavaScript's JSON.parse reject the result): a figure not measured yet (the planner's uplink
+    bandwidth before a transfer was timed is inf) becomes null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
 
 
 class CtrlC:

@@ -204,6 +204,10 @@ def test_rejection_rule_without_a_model_expert_is_refused():
     with pytest.raises(InvalidRequestError, match="rejection rule"):
         pool.grow([0, 1, 0, 1], SHAPE, SamplingParams(temperature=1.0, rule=AcceptanceRule.REJECTION), 0)
     assert len(pool.grow([0, 1, 0, 1], SHAPE, SamplingParams(temperature=1.0), 0).tree) > 1
+    pool = table_pool()
+    pool.set_active(["lookup"])                           # the rejection rule still drafts with the model alone
+    draft = pool.grow([0, 1, 0, 1], SHAPE, SamplingParams(temperature=1.0, rule=AcceptanceRule.REJECTION), 0)
+    assert draft.prefix_groups and draft.tree.q_tokens.shape[1] > 0 and pool.stats()["lookup"].proposals == 0
 
 
 # -- memory budget and LRU ------------------------------------------------------------------------

@@ -146,7 +146,7 @@ class DraftPool:
         self._tick += 1
         self._resolve(committed)
         if sampling.needs_q:   # rejection rule: one model's q-drawn tree, never merged (module docstring)
-            names = [self._primary(required=True)]
+            names = [self._primary()]
         else:
             names = self._active
         load_started = time.perf_counter()
@@ -195,8 +195,8 @@ class DraftPool:
             slot.last_draft = None
 
     def predict_next(self, committed: list[int]) -> int:
-        """The primary model's guess of the target's next token; without one, the lookup's."""
-        primary = self._primary(required=False)
+        """The primary model's guess of the target's next token; without an active model, the lookup's."""
+        primary = next((n for n in self._active if self._slots[n].expert.kind in MODEL_KINDS), None)
         if primary is not None:
             self._make_resident([primary])
             return int(self._slots[primary].expert.predict_next(committed))
@@ -213,17 +213,15 @@ class DraftPool:
                 slot.expert.close()
 
     # -- internals ------------------------------------------------------------------------------
-    def _primary(self, required: bool) -> str | None:
+    def _primary(self) -> str:
         """The first active model-kind expert, else any model-kind expert of the pool."""
         for pool in (self._active, self.names):
             for name in pool:
                 if self._slots[name].expert.kind in MODEL_KINDS:
                     return name
-        if required:
-            raise InvalidRequestError(
-                "the sampled rejection rule needs a draft model's q, and this pool has no model expert "
-                "(lookup and template trees are exact only under greedy or target-sample)")
-        return None
+        raise InvalidRequestError(
+            "the sampled rejection rule needs a draft model's q, and this pool has no model expert "
+            "(lookup and template trees are exact only under greedy or target-sample)")
 
     def _make_resident(self, names: Sequence[str]) -> None:
         """Load what `names` need (a LoRA needs its base), evicting the least recently used others."""

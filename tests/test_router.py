@@ -160,3 +160,31 @@ def test_router_state_round_trips(embedder, tmp_path) -> None:
     other = Router(arms, planner=remote_planner(), embedder=embedder, state_path=path)
     assert other.load() is False
     assert other.predicted(router.route(CODE[0]))["code-expert"] == pytest.approx(0.5)
+
+
+def test_routed_planner_drives_a_real_session_losslessly(smol_path, smol_model, embedder, tmp_path) -> None:
+    """The router in the planner's seat of a real EdgeSession with a draft pool (SmolLM2 as draft and
+    target, lookup expert): each turn activates its arm's experts, every verified step is evidence
+    for that arm, and the output is still the target's own greedy output."""
+    from lossless import assert_lossless, spec_tokens, target_only_greedy
+
+    from edgespec import EdgeSession
+    from edgespec.edge.router import RoutedPlanner
+
+    arms = [ArmSpec("draft", 0.02), ArmSpec("lookup", 0.0002), ArmSpec("lookup+draft", 0.02, members=("lookup", "draft"))]
+    router = Router(arms, embedder=embedder, state_path=tmp_path / "router.npz", seed=3)
+    text = "Repeat this list exactly twice: apples, pears, plums, cherries, figs, dates, limes."
+    with EdgeSession(smol_path, smol_path, local=True, n_ctx=1024, lookup=True) as session:
+        routed = RoutedPlanner(router, session.pool)
+        session.decoder.planner = routed
+        prompt = session.draft_model.chat_tokens([{"role": "user", "content": text}])
+        ref = target_only_greedy(smol_model, prompt, 40)
+        for _ in range(3):
+            turn = routed.begin_turn(text)
+            assert session.pool.active == list(router.arms[turn.arm].spec.experts)
+            assert_lossless(spec_tokens(session, prompt, 40), ref, f"routed-{turn.arm}")
+        snapshot = session.stats.extra["planner"]["router"]
+    steps = sum(arm.steps for arm in router.arms.values())
+    assert steps > 0 and snapshot["arm"] in router.arms
+    router.close()
+    assert (tmp_path / "router.npz").is_file()

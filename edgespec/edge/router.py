@@ -46,7 +46,7 @@ import numpy as np
 
 from edgespec.common import modelstore
 from edgespec.edge.drafting import TreeShape
-from edgespec.edge.planner import Planner, tree_tokens
+from edgespec.edge.planner import Planner, StepObservation, tree_tokens
 
 if TYPE_CHECKING:
     from edgespec.edge.embedding import Embedder
@@ -70,6 +70,11 @@ class ArmSpec:
     name: str
     seconds_per_decode: float = 0.03   # one draft-model decode per tree depth; ~0 for lookup/templates
     seconds_fixed: float = 0.0
+    members: tuple[str, ...] = ()      # the pool's experts this arm activates (default: (name,))
+
+    @property
+    def experts(self) -> tuple[str, ...]:
+        return self.members or (self.name,)
 
 
 @dataclass
@@ -203,18 +208,26 @@ class Router:
         return hit
 
     # -- decision -------------------------------------------------------------------------------
-    def choose(self, route: Route, explore: bool = True) -> Choice:
-        """Best predicted tokens/s over every (arm, ladder shape), target-only included."""
+    def choose(self, route: Route, explore: bool = True, arm: str | None = None,
+               acceptance: float | None = None, drafting_only: bool = False) -> Choice:
+        """Best predicted tokens/s over every (arm, ladder shape), target-only included.
+
+        arm/acceptance: score that arm alone, with that a_e(x) (a turn's draw, see RoutedPlanner);
+        drafting_only: leave target-only out (to rank arms against each other)."""
         planner = self.planner
         a_sibling = float(planner.acceptance(np.array([0.1]))[0])
         link = [planner.step_seconds(s.budget, 0) for s in planner.ladder]  # verifier + link, no draft
         rng = self.rng if explore else None
         best: Choice | None = None
-        for name, arm in self.arms.items():
-            a = arm.acceptance(route.x, rng, self.explore)
+        for name, arm_state in self.arms.items():
+            if arm is not None and name != arm:
+                continue
+            a = arm_state.acceptance(route.x, rng, self.explore) if acceptance is None else acceptance
             for rung, shape in enumerate(planner.ladder):
+                if drafting_only and shape.budget == 0:
+                    continue
                 tokens = tree_tokens(shape, a, a_sibling)
-                seconds = link[rung] + arm.draft_seconds(shape)
+                seconds = link[rung] + arm_state.draft_seconds(shape)
                 if best is None or tokens / seconds > best.rate:
                     best = Choice(name if shape.budget else None, shape, rung, tokens, seconds, a, route)
         if best is None:  # no arms: target-only
@@ -302,3 +315,57 @@ class Router:
         return {name: {"steps": arm.steps, "ms_per_decode": round(1000 * arm.per_decode_s, 3),
                        "ms_fixed": round(1000 * arm.fixed_s, 3),
                        "acceptance_bias": round(float(arm.w[-1]), 3)} for name, arm in self.arms.items()}
+
+
+class RoutedPlanner(Planner):
+    """The router in the decoder's seat of the planner: one decision, which drafter and which tree.
+
+    The decoder asks its planner for a shape every step (`choose`) and reports every verified step
+    (`observe`); this planner answers with the router's model. Per turn (`begin_turn`, with the
+    request text) it draws each arm's acceptance from its posterior once (Thompson sampling, one
+    draw per turn: the turn is the bandit's round, so every step of it is evidence for the arm that
+    drafted it, even when trees are drafted ahead), picks the arm with the best drafting rate and
+    activates its experts in the pool. Per step it picks that arm's best ladder shape, target-only
+    included, from the planner's live cost fits; like Planner it tries a neighbouring shape every
+    `explore_every` steps so the link and verifier fits keep seeing different tree sizes.
+
+        routed = RoutedPlanner(router, session.pool)
+        session.decoder.planner = routed
+        routed.begin_turn(prompt)
+        session.chat(prompt)
+    """
+
+    def __init__(self, router: Router, pool=None, **planner_fields) -> None:  # noqa: ANN001 - a DraftPool
+        super().__init__(**planner_fields)
+        router.planner = self            # one cost model: the router prices shapes with these fits
+        self.router, self.pool = router, pool
+        self.turn: Choice | None = None
+
+    def begin_turn(self, request: str, recent: Sequence[str] = (), route: Route | None = None) -> Choice:
+        """Route the turn (embedding unless `route` is given) and fix its arm."""
+        route = route or self.router.route(request, recent)
+        self.turn = self.router.choose(route, drafting_only=True)
+        if self.pool is not None:
+            self.pool.set_active(self.router.arms[self.turn.arm].spec.experts)
+        return self.turn
+
+    def choose(self) -> TreeShape:
+        if self.turn is None:
+            return super().choose()
+        best = self.router.choose(self.turn.route, arm=self.turn.arm, acceptance=self.turn.acceptance).rung
+        self.exploring = False
+        if self.steps > 0 and self.steps % self.explore_every == 0:
+            best = best + 1 if best + 1 < len(self.ladder) else best - 1
+            self.exploring = True
+        self.last_choice = best
+        return self.ladder[best]
+
+    def observe(self, obs: StepObservation) -> None:
+        super().observe(obs)
+        if self.turn is not None and obs.nodes > 0:
+            depth = int(obs.depths.max()) if obs.depths is not None and obs.depths.size else obs.nodes
+            self.router.observe(self.turn, int(obs.accepted.sum()), depth, obs.draft_s, obs.draft_decodes)
+
+    def snapshot(self) -> dict:
+        return {**super().snapshot(), "router": {"arm": self.turn.arm if self.turn else None,
+                                                 "arms": self.router.snapshot()}}

@@ -60,9 +60,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         backend.close()
         raise CliError(f"--metrics-port needs prometheus-client (pip install 'edgespec[verifier]'): {exc}") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:   # a busy port, unusable TLS files: fix the options (exit 2)
         backend.close()
-        raise CliError(str(exc), code=1) from exc
+        raise CliError(str(exc)) from None
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -73,11 +73,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"{server.registry.max_live} KV slots, tls {'on' if server.tls else 'off'}, "
           f"auth {'on' if token else 'OFF'}"
           + (f", metrics on http://{metrics_at}/metrics" if metrics_at else ""), file=sys.stderr, flush=True)
+    from edgespec.serve.notify import Notifier
+
+    notifier = Notifier.from_env()   # under systemd (Type=notify): READY now, watchdog pings while serving
+    notifier.ready(f"serving {info.model_id} on {server.address}")
+    notifier.start_watchdog(lambda: None)
     parent = os.getppid()
     while not stop.wait(0.5):
         if args.exit_with_parent and os.getppid() != parent:
             log.warning("parent process %d is gone: shutting down", parent)
             break
+    notifier.stopping()
+    notifier.close()
     server.stop(grace_s=2.0)
     if step_log is not None:
         step_log.close()
@@ -105,7 +112,6 @@ def _step_log(args: argparse.Namespace, backend, path):  # noqa: ANN001, ANN202
 
 def cmd_info(args: argparse.Namespace) -> int:
     import grpc
-    from google.protobuf import json_format
 
     from edgespec.common import wire
     from edgespec.edge.link import make_channel
@@ -122,8 +128,23 @@ def cmd_info(args: argparse.Namespace) -> int:
         raise wire.error_from_status(exc.code(), exc.details()) from None
     finally:
         channel.close()
-    print(json.dumps(json_format.MessageToDict(reply, preserving_proto_field_name=True), indent=2))
+    print(json.dumps(info_dict(reply), indent=2))
     return 0
+
+
+def info_dict(reply) -> dict:  # noqa: ANN001
+    """InfoReply as JSON: every field, zero counters included, 64-bit counters as numbers (protobuf's
+    JSON mapping drops zero values and writes 64-bit integers as strings)."""
+    from google.protobuf import descriptor, json_format
+
+    d = json_format.MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    wide = (descriptor.FieldDescriptor.TYPE_INT64, descriptor.FieldDescriptor.TYPE_UINT64,
+            descriptor.FieldDescriptor.TYPE_SINT64, descriptor.FieldDescriptor.TYPE_FIXED64,
+            descriptor.FieldDescriptor.TYPE_SFIXED64)
+    for field in reply.DESCRIPTOR.fields:
+        if field.type in wide and field.name in d and not isinstance(d[field.name], list):
+            d[field.name] = int(d[field.name])
+    return d
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -63,11 +63,16 @@ class VerifierMetrics:
                                            buckets=(1, 2, 3, 4, 5, 6, 8, 12, 16, 32), registry=self.registry)
         self.errors = Counter("edgespec_verifier_errors", "streams ended with an error status", ["code"],
                               registry=self.registry)
+        self.auth_failures = Counter("edgespec_verifier_auth_failures", "calls refused for a missing or invalid "
+                                     "bearer token (failed logins)", ["reason"], registry=self.registry)
         self._http = None
 
     def observe(self, kind: str, queue_s: float, compute_s: float) -> None:
         self.queue_seconds.labels(kind).observe(queue_s)
         self.compute_seconds.labels(kind).observe(compute_s)
+
+    def auth_failure(self, reason: str) -> None:
+        self.auth_failures.labels(reason).inc()
 
     def observe_tree(self, nodes: int, tokens: int) -> None:
         self.tree_nodes.observe(nodes)

@@ -12,8 +12,11 @@
 """
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
+import socket
+import threading
 import time
 from concurrent import futures
 from pathlib import Path
@@ -211,6 +214,9 @@ class BearerAuthInterceptor(grpc.ServerInterceptor):
             raise ValueError("empty token")
         self._expected = f"Bearer {token}".encode()
         self._exempt = exempt_prefixes
+        self.failures = 0                      # refused calls (failed logins), for Info-like reports
+        self.on_failure = None                 # callable(why) -> None, e.g. a metrics counter
+        self._lock = threading.Lock()
 
     def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001, ANN201
         method = handler_call_details.method or ""
@@ -223,6 +229,12 @@ class BearerAuthInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         why = "missing authorization metadata (expected 'Bearer <token>')" if got is None else "invalid bearer token"
+        with self._lock:
+            self.failures += 1
+        # the peer address is not known here; the method and the reason are (never the token itself)
+        log.warning("refused %s: %s (%d failed logins so far)", method, why, self.failures)
+        if self.on_failure is not None:
+            self.on_failure("missing" if got is None else "invalid")
         return _denying_handler(handler, why)
 
 
@@ -240,6 +252,87 @@ def _denying_handler(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethod
 
 def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _why_not_bindable(host: str, port: int) -> str:
+    """Why gRPC could not bind (it only says "Failed to bind"): try the same bind with a plain socket."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError as exc:
+            return {errno.EADDRINUSE: "the port is in use (another verifier?)",
+                    errno.EADDRNOTAVAIL: "the address is not one of this machine's",
+                    errno.EACCES: "permission denied (ports below 1024 need privileges)"}.get(exc.errno, str(exc))
+    return "gRPC could not bind it"
+
+
+def read_tls_files(cert: str | Path, key: str | Path) -> tuple[bytes, bytes]:
+    """The PEM certificate chain and key, checked for the usual mistakes (swapped, missing, not PEM)."""
+    data = {}
+    for what, path in (("certificate", cert), ("key", key)):
+        try:
+            data[what] = Path(path).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"cannot read the TLS {what} file {path}: {exc.strerror or exc}") from None
+    if b"PRIVATE KEY-----" in data["certificate"] and b"-----BEGIN CERTIFICATE-----" in data["key"]:
+        raise ValueError(f"the TLS certificate and key look swapped: {cert} holds a private key and {key} a "
+                         "certificate (--tls-cert takes the certificate, --tls-key the key)")
+    if b"-----BEGIN CERTIFICATE-----" not in data["certificate"]:
+        raise ValueError(f"{cert} is not a PEM certificate (no BEGIN CERTIFICATE block)")
+    if b"PRIVATE KEY-----" not in data["key"]:
+        raise ValueError(f"{key} is not a PEM private key (no BEGIN ... PRIVATE KEY block)")
+    return data["certificate"], data["key"]
+
+
+def _v1_reflection_descriptor() -> None:
+    """Register grpc.reflection.v1 in the default descriptor pool: the same messages as v1alpha under
+    the package current tools (grpcurl, Postman, grpcui) ask for first. grpcio-reflection ships v1alpha only."""
+    from google.protobuf import descriptor_pb2, descriptor_pool
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindServiceByName(REFLECTION_V1)
+        return
+    except KeyError:
+        pass
+    fdp = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(fdp)
+    fdp.name, fdp.package = "grpc/reflection/v1/reflection.proto", "grpc.reflection.v1"
+
+    def rename(messages) -> None:  # noqa: ANN001
+        for m in messages:
+            for f in m.field:
+                if f.type_name:   # assigning "" would mark a scalar field as a message reference
+                    f.type_name = f.type_name.replace(".grpc.reflection.v1alpha.", ".grpc.reflection.v1.")
+            rename(m.nested_type)
+
+    rename(fdp.message_type)
+    for service in fdp.service:
+        for method in service.method:
+            method.input_type = method.input_type.replace(".v1alpha.", ".v1.")
+            method.output_type = method.output_type.replace(".v1alpha.", ".v1.")
+    pool.Add(fdp)
+
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def enable_reflection(service_names: tuple[str, ...], server: grpc.Server) -> None:
+    """Reflection as v1alpha and as v1 (wire-identical messages: one servicer answers both)."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    _v1_reflection_descriptor()
+    names = (*service_names, reflection.SERVICE_NAME, REFLECTION_V1)
+    servicer = reflection.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {
+        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+            servicer.ServerReflectionInfo,
+            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)}),))
 
 
 class VerifierServer:
@@ -268,11 +361,14 @@ class VerifierServer:
         keepalive = [("grpc.keepalive_time_ms", ping_ms), ("grpc.keepalive_timeout_ms", ping_ms),
                      ("grpc.http2.ping_timeout_ms", ping_ms),   # what grpc core times unanswered pings with
                      ("grpc.http2.max_pings_without_data", 0)] if ping_ms > 0 else []  # 0: keep pinging an idle edge
+        self.auth = BearerAuthInterceptor(token) if token else None
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="edgespec-rpc"),
-            interceptors=[BearerAuthInterceptor(token)] if token else [],
+            interceptors=[self.auth] if self.auth else [],
             maximum_concurrent_rpcs=workers,
-            options=[*keepalive,
+            # one verifier per port: with SO_REUSEPORT (gRPC's default on Linux) a second server on
+            # the same port starts too and the kernel splits the edges between the two
+            options=[("grpc.so_reuseport", 0), *keepalive,
                      ("grpc.keepalive_permit_without_calls", 1),
                      ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
                      ("grpc.http2.max_ping_strikes", 0)])
@@ -281,19 +377,31 @@ class VerifierServer:
             from edgespec.verifier.metrics import VerifierMetrics
 
             self.metrics = VerifierMetrics(self.registry)
+            if self.auth is not None:
+                self.auth.on_failure = self.metrics.auth_failure
         self.servicer = VerifierServicer(backend, self.registry, self.metrics)
         pb_grpc.add_VerifierServicer_to_server(self.servicer, self._server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection((wire.SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME), self._server)
+        enable_reflection((wire.SERVICE_NAME, HEALTH_SERVICE), self._server)
         bind = _host_port(host, port)
-        if tls_cert is not None:
-            creds = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
-            self.port = self._server.add_secure_port(bind, creds)
-        else:
-            self.port = self._server.add_insecure_port(bind)
+        try:
+            if tls_cert is not None:
+                cert, key = read_tls_files(tls_cert, tls_key)
+                try:
+                    creds = grpc.ssl_server_credentials([(key, cert)])
+                    self.port = self._server.add_secure_port(bind, creds)
+                except RuntimeError:
+                    if not _why_not_bindable(host, port).startswith("gRPC"):
+                        raise
+                    raise ValueError(f"TLS: gRPC refused the certificate {tls_cert} with the key {tls_key} (not a "
+                                     "matching pair, or an unsupported key type)") from None
+            else:
+                self.port = self._server.add_insecure_port(bind)
+        except RuntimeError:   # gRPC's "Failed to bind to address ..."
+            self.port = 0
         if not self.port:
-            raise OSError(f"could not listen on {bind}")
+            raise OSError(errno.EADDRINUSE, f"cannot listen on {bind}: {_why_not_bindable(host, port)}")
         self.host = host
         self.tls = tls_cert is not None
         self.address = _host_port(host, self.port)

@@ -109,7 +109,7 @@ def test_port_agrees_with_llama_cpp_qwen2_target(qwen_paths, qwen_models):
     argmax equal everywhere, mean |diff| 0.05-0.33 per position. Loading takes ~30-80 s (numpy
     dequantization of 1.5 B weights) and ~6.2 GB of float32."""
     model = gguf_weights.load_model(qwen_paths[1], max_positions=256)
-    engine = Engine(model, num_blocks=2, block_size=16)
+    engine = Engine(model, num_blocks=16, block_size=16)  # the prompt (< 240 tokens) is written into its blocks
     target = qwen_models[1]
     tokens = chat(target, "Write a Python function is_prime(n).")
     ref, got = llama_vs_torch(target, engine, tokens)

@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mbits", default="10,100", help="tbf rates on both veth ends, Mbit/s")
     ap.add_argument("--humaneval", type=int, default=2, help="HumanEval prompts (the first N)")
     ap.add_argument("--spec", type=int, default=2, help="Spec-Bench prompts (writing, math_reasoning, ...)")
-    ap.add_argument("--spec-bench", type=Path, default=REPO.parent / "shared" / "bench" / "spec_bench_questions.jsonl")
+    ap.add_argument("--spec-bench", type=Path, default=REPO / "tools" / "data" / "spec_bench_questions.jsonl")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--n-ctx", type=int, default=2048)
     ap.add_argument("--budget-min", type=float, default=30.0,

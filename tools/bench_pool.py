@@ -186,7 +186,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draft", default="draft")
     ap.add_argument("--target", default="target")
-    ap.add_argument("--spec-bench", type=Path, default=REPO.parent / "shared" / "bench" / "spec_bench_questions.jsonl")
+    ap.add_argument("--spec-bench", type=Path, default=REPO / "tools" / "data" / "spec_bench_questions.jsonl")
     ap.add_argument("--categories", default="coding,extraction,math_reasoning,rag,summarization,writing")
     ap.add_argument("--humaneval", type=int, default=2)
     ap.add_argument("--multi-turn", type=int, default=len(MULTI_TURN), help="how many of the multi-turn items")

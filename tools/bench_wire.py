@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="timed verify() runs per size and mode (median)")
     ap.add_argument("--humaneval", type=int, default=2, help="HumanEval prompts to draft trees from")
     ap.add_argument("--spec", type=int, default=2, help="Spec-Bench prompts (distinct categories)")
-    ap.add_argument("--spec-bench", type=Path, default=REPO.parent / "shared" / "bench" / "spec_bench_questions.jsonl")
+    ap.add_argument("--spec-bench", type=Path, default=REPO / "tools" / "data" / "spec_bench_questions.jsonl")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="verifier llama.cpp threads")
     ap.add_argument("--no-latency", action="store_true", help="wire sizes only (no verifier process)")

@@ -210,3 +210,26 @@ def test_units_pass_systemd_analyze_verify(tmp_path):
         problems = [line for line in (r.stdout + r.stderr).splitlines()
                     if unit in line or "edgespec" in line]
         assert r.returncode == 0 and not problems, r.stdout + r.stderr
+
+
+def test_jetson_install_script_dry_run():
+    """What jetson/install.sh would do (it needs root and a Jetson to run for real): the CUDA build
+    for sm_87, the service user, the models fetched as that user, units installed and checked."""
+    r = subprocess.run(["bash", str(ROOT / "jetson" / "install.sh"), "--dry-run", "--verifier"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=87" in out
+    assert "useradd --system" in out and "runuser -u edgespec" in out and "models fetch default" in out
+    assert "systemd-analyze verify /etc/systemd/system/edgespec-edge.service" in out
+    assert "systemctl enable --now edgespec-edge.service edgespec-verifier.service" in out
+    assert "[edge]" in out or "src[edge]" in out
+    bad = subprocess.run(["bash", str(ROOT / "jetson" / "install.sh"), "--bogus"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+def test_example_config_is_valid():
+    from edgespec import config
+
+    cfg = config.load(ROOT / "jetson" / "edgespec.toml", env={})
+    assert cfg.get("edge.draft_gpu_layers") == -1 and cfg.source("serve.port").startswith("file ")

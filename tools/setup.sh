@@ -37,6 +37,14 @@ if [ ${#NEED[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 
     || echo "[setup] could not install ${NEED[*]}: the network-namespace tests will fail"
 fi
 
+# `systemd-analyze verify` checks the units in jetson/ (tests/test_serve_systemd.py); install the
+# systemd package where it is missing and we can (root, Debian). Nothing is enabled or started.
+if ! command -v systemd-analyze >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "[setup] installing systemd (systemd-analyze) for the unit-file test"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd) \
+    || echo "[setup] could not install systemd: the unit-file test will be skipped"
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"
   "$PYTHON" -m venv "$VENV"

@@ -133,15 +133,17 @@ REPEAT_PROMPT = ("Repeat this list exactly, twice: apples, pears, plums, cherrie
                  "grapes, melons, kiwis.")
 
 
-@pytest.mark.parametrize("pipelined", [False, True], ids=["step", "pipelined"])
-def test_pool_greedy_output_equals_target_only(smol_model, pipelined):
-    """Model + lookup + templates merged, SmolLM2 as draft and target: the target's own greedy output."""
+@pytest.mark.parametrize("pipelined,skip", [(False, None), (True, 1.5)], ids=["step", "pipelined-skipping"])
+def test_pool_greedy_output_equals_target_only(smol_model, pipelined, skip):
+    """Model + lookup + templates merged, SmolLM2 as draft and target: the target's own greedy output.
+    With skipping, some steps send the lookup's tree alone (the model's KV catches up later)."""
     prompt = smol_model.chat_tokens([{"role": "user", "content": REPEAT_PROMPT}])
     n = 48
     ref = target_only_greedy(smol_model, prompt, n)
     config = ContextConfig(n_ctx=1024, max_tree_nodes=64)
     drafter = Drafter(smol_model, config)
-    pool = DraftPool([ModelExpert.around("draft", drafter), LookupExpert(), TemplateExpert.for_model(smol_model)])
+    pool = DraftPool([ModelExpert.around("draft", drafter), LookupExpert(), TemplateExpert.for_model(smol_model)],
+                     skip_models_at=skip)
     verifier = LocalVerifier(smol_model, config)
     decoder = Decoder(pool, verifier, SessionStats(), SHAPE, smol_model.is_end_of_generation, pipelined=pipelined)
     try:
@@ -155,6 +157,7 @@ def test_pool_greedy_output_equals_target_only(smol_model, pipelined):
     assert_lossless(out, ref, f"pool-{pipelined}")
     assert pool.merged_steps > 0 and pool.stats()["lookup"].sent > 0   # lookup nodes were really sent
     assert pool.stats()["lookup"].opportunities > 0
+    assert (pool.skipped_model_proposals > 0) == (skip is not None)
 
 
 class OtherTableContext(TableDraftContext):
@@ -208,6 +211,20 @@ def test_rejection_rule_without_a_model_expert_is_refused():
     pool.set_active(["lookup"])                           # the rejection rule still drafts with the model alone
     draft = pool.grow([0, 1, 0, 1], SHAPE, SamplingParams(temperature=1.0, rule=AcceptanceRule.REJECTION), 0)
     assert draft.prefix_groups and draft.tree.q_tokens.shape[1] > 0 and pool.stats()["lookup"].proposals == 0
+
+
+def test_model_experts_are_skipped_when_the_lookup_promises_enough():
+    pool = table_pool()
+    pool.skip_models_at = 0.9                             # the lookup scores 0.5 + 0.25 + 0.125 + 0.0625 here
+    shape = TreeShape(budget=8, max_depth=4, branching=2, width=2)
+    repeated = [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2]
+    draft = pool.grow(repeated, shape, GREEDY, 0)
+    assert pool.stats()["table"].proposals == 0 and pool.skipped_model_proposals == 2
+    assert draft.tree.tokens[draft.tree.path_to(len(draft.tree) - 1)].tolist() == [3, 4, 5, 0]
+    pool = table_pool()
+    pool.skip_models_at = 0.9
+    pool.grow([0, 1, 2], shape, GREEDY, 1)                # nothing to look up: the models draft
+    assert pool.stats()["table"].proposals == 1 and pool.stats()["other"].proposals == 1
 
 
 # -- memory budget and LRU ------------------------------------------------------------------------

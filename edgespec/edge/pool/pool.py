@@ -82,7 +82,11 @@ class PoolOverhead:
 
 class DraftPool:
     def __init__(self, experts: Sequence[Expert], memory_budget: int = 2 * GiB,
-                 active: Iterable[str] | None = None) -> None:
+                 active: Iterable[str] | None = None, skip_models_at: float | None = None) -> None:
+        """skip_models_at: when the model-free experts' best tree already promises this many accepted
+        tokens (the sum of its node scores, i.e. of estimated path acceptances), the model experts
+        are not asked that step: their drafting costs 100-1000x more (long copies in edits and
+        follow-ups). None: always ask them."""
         names = [e.name for e in experts]
         if len(set(names)) != len(names):
             raise InvalidRequestError(f"expert names must be unique: {names}")
@@ -92,6 +96,8 @@ class DraftPool:
         if orphans:
             raise InvalidRequestError(f"LoRA experts {orphans} need their base model expert in the same pool")
         self.memory_budget = memory_budget
+        self.skip_models_at = skip_models_at
+        self.skipped_model_proposals = 0
         self._slots: dict[str, _Slot] = {e.name: _Slot(e, getattr(e, "stats", None) or ExpertStats()) for e in experts}
         for slot in self._slots.values():
             if not slot.evictable:
@@ -149,12 +155,17 @@ class DraftPool:
             names = [self._primary()]
         else:
             names = self._active
+        for slot in self._slots.values():   # the decoder accepts only the latest tree: older ones are void
+            slot.last_draft = None
         load_started = time.perf_counter()
         self._make_resident(names)
         load_seconds = time.perf_counter() - load_started   # lazy loading is not per-step overhead
         parts: list[tuple[str, Draft]] = []
         for name in sorted(names, key=lambda n: self._slots[n].expert.kind in MODEL_KINDS):  # cheap experts first
             slot = self._slots[name]
+            if slot.expert.kind in MODEL_KINDS and self._cheap_tree_suffices(parts):
+                self.skipped_model_proposals += 1
+                continue
             slot.last_used = self._tick
             draft = slot.expert.propose(committed, shape, sampling, step, stop)
             slot.last_draft = draft
@@ -180,6 +191,13 @@ class DraftPool:
         self.overhead.expert_seconds += expert_seconds
         self.overhead.seconds += (done - started) - expert_seconds
         return draft
+
+    def _cheap_tree_suffices(self, parts: list[tuple[str, Draft]]) -> bool:
+        """Whether a model-free expert's tree already promises skip_models_at accepted tokens."""
+        if self.skip_models_at is None:
+            return False
+        return any(self._slots[n].expert.kind not in MODEL_KINDS and float(d.scores[1:].sum()) >= self.skip_models_at
+                   for n, d in parts)
 
     def accept(self, draft: Draft, path: list[int]) -> None:
         """The decoder kept `path` of `draft`: every expert holding a KV cache keeps the part of its

@@ -34,6 +34,7 @@ from bench_local import load_prompts, machine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = ("model", "model+lookup", "lookup")
+EXTRA_CONFIGS = ("model+lookup-skip",)   # --configs: the model is not asked when the lookup promises >= 2 tokens
 
 CSV_CODE = '''def parse_rows(lines):
     items = []
@@ -144,9 +145,9 @@ def make_drafter(config: str, drafter: Drafter, model: LlamaModel) -> Drafter | 
     if config == "model":
         return drafter
     experts = [LookupExpert(), TemplateExpert.for_model(model)]   # fresh index: nothing from other runs
-    if config == "model+lookup":
+    if config.startswith("model+lookup"):
         experts.insert(0, ModelExpert.around("draft", drafter))
-    return DraftPool(experts)
+    return DraftPool(experts, skip_models_at=2.0 if config.endswith("-skip") else None)
 
 
 def summarize(rows: list[dict], configs: list[str], header: str) -> str:
@@ -190,9 +191,10 @@ def main() -> int:
     ap.add_argument("--categories", default="coding,extraction,math_reasoning,rag,summarization,writing")
     ap.add_argument("--humaneval", type=int, default=2)
     ap.add_argument("--multi-turn", type=int, default=len(MULTI_TURN), help="how many of the multi-turn items")
+    ap.add_argument("--sets", default="single-turn,multi-turn")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--budget", type=int, default=16)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS + EXTRA_CONFIGS)}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", action="store_true")
@@ -216,9 +218,10 @@ def main() -> int:
     single = [(c, m) for c, m in single if c == "humaneval" or not (c in seen or seen.add(c))]
     multi = MULTI_TURN[:args.multi_turn]
     # The two sets alternate, so a run stopped early still measured both.
+    sets = args.sets.split(",")
     workload = [item for pair in itertools.zip_longest([("single-turn", c, m) for c, m in single],
                                                        [("multi-turn", c, m) for c, m in multi])
-                for item in pair if item is not None]
+                for item in pair if item is not None and item[0] in sets]
     configs = args.configs.split(",")
     rows = []
     started = time.time()
@@ -236,7 +239,8 @@ def main() -> int:
             extra = {}
             if isinstance(source, DraftPool):
                 extra = {"pool_s": source.overhead.seconds, "expert_s": source.overhead.expert_seconds,
-                         "merged_steps": source.merged_steps, "experts": {n: s.as_dict() for n, s in source.stats().items()}}
+                         "merged_steps": source.merged_steps, "skipped_model": source.skipped_model_proposals,
+                         "experts": {n: s.as_dict() for n, s in source.stats().items()}}
             row = {"set": kind, "item": label, "config": name, "prompt_tokens": len(prompt), "tau": stats.tau,
                    "steps": stats.steps, "tokens": stats.tokens, "drafted": stats.drafted, "accepted": stats.accepted,
                    "draft_ms_per_step": 1000 * stats.draft_seconds / max(stats.steps, 1),

@@ -47,6 +47,8 @@ def masked_values(masker: Masker, text: str) -> dict[str, str]:
     ("ship to 221 Baker Street, Apt 4", "221 Baker Street, Apt 4", "ADDRESS"),
     ("我住在北京市海淀区中关村大街27号。", "北京市海淀区中关村大街27号", "ADDRESS"),
     ("我叫李娜，你好", "李娜", "PERSON"),
+    ("Repeat exactly: Dear John Smith, thanks", "John Smith", "PERSON"),   # spaCy sm: WORK_OF_ART
+    ("Hello, my name is Anna Lee.", "Anna Lee", "PERSON"),
     ("请转告王伟先生", "王伟", "PERSON"),
 ])
 def test_pattern_recognizers_find(text: str, value: str, entity: str) -> None:

@@ -151,6 +151,13 @@ RECOGNIZERS: tuple[PatternRecognizer, ...] = (
     PatternRecognizer("ADDRESS", "cn_address", re.compile(
         rf"(?:住在|住址[:：]?|地址[:：是]?|位于|寄到|送到|搬到)?(?P<v>(?:[{_HAN}]{{2,4}}(?:省|自治区))?[{_HAN}]{{2,4}}市"
         rf"(?:[{_HAN}]{{2,4}}(?:区|县))?[{_HAN}]{{1,8}}?(?:路|街|大道|巷|胡同|道)\d+号(?:\d+(?:栋|幢|号楼|单元|室))*)")),
+    # English names after a salutation, title or introduction: the small spaCy model reads "Dear John
+    # Smith" as a WORK_OF_ART and misses it.
+    PatternRecognizer("PERSON", "en_name_after_cue", re.compile(
+        r"(?:\b(?:Dear|Mr\.?|Mrs\.?|Ms\.?|Miss|Dr\.?|Prof\.?|[Mm]y name is|I am|I'm|[Ss]igned:?|[Rr]egards,|"
+        r"[Ss]incerely,|[Cc]ontact person:?|[Aa]ttn:?)\s+)(?P<v>[A-Z][a-z]+(?:[ -][A-Z][a-z]+){0,2})(?![A-Za-z])"),
+        lambda v: v.split()[0] not in ("The", "A", "An", "Sir", "Madam", "All", "Team", "Customer", "Not", "Sorry",
+                                        "Here", "Going", "Trying", "Looking", "Using", "Working")),
     PatternRecognizer("PERSON", "cn_name_before_cue", re.compile(
         rf"(?P<v>[{_SURNAMES}][{_HAN}]{{1,2}}?)(?:先生|女士|小姐|老师|医生|经理|同学|教授|律师|总)")),
     PatternRecognizer("PERSON", "cn_name_after_cue", re.compile(

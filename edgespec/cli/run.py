@@ -62,6 +62,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     hw.add_argument("--draft-gpu-layers", type=int, metavar="N",
                     help="draft layers on the GPU (-1: all; default: all on a GPU build of llama.cpp, else 0)")
     hw.add_argument("--target-gpu-layers", type=int, metavar="N", help="the same for this device's target")
+    pii = p.add_argument_group("privacy (edgespec/edge/privacy)")
+    pii.add_argument("--mask-pii", nargs="?", const="presidio", choices=["presidio", "patterns"], metavar="MODE",
+                     help="mask personal data before anything leaves this device, restore it in the answer: "
+                          "presidio (spaCy NER + patterns, the default MODE) or patterns (no spaCy model)")
+    pii.add_argument("--pii-strict", action="store_true",
+                     help="with --mask-pii: refuse to send anything when the PII analyzer fails")
+    p.add_argument("--ban", action="append", default=[], metavar="PHRASE",
+                   help="never write PHRASE (repeatable): masked in the draft and in the verifier alike")
     p.add_argument("--json-stats", action="store_true", help="print the final stats as JSON on stderr")
     p.set_defaults(func=run)
 
@@ -84,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
                              ("--target-gpu-layers", args.target_gpu_layers, -1)):
         if value is not None and value < low:
             raise CliError(f"{flag} must be >= {low}, got {value}")
+    if args.pii_strict and not args.mask_pii:
+        raise CliError("--pii-strict needs --mask-pii")
     try:
         shape = choose_shape(args, TreeShape)
     except ValueError as exc:
@@ -106,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     with CtrlC() as ctrl_c:
         try:
             session = EdgeSession(args.draft, args.target, tree=shape, n_ctx=args.n_ctx, lookup=args.lookup, **link,
-                                  **hardware)
+                                  **hardware, privacy=args.mask_pii, strict=args.pii_strict)
         except KeyboardInterrupt:
             print("[edgespec] interrupted while starting", file=sys.stderr)
             return 130
@@ -115,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             if not ctrl_c.pressed:
                 chunks = session.chat(messages, stream=True, max_tokens=args.max_tokens,
                                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                      seed=args.seed, sampling_rule=args.sampling_rule)
+                                      seed=args.seed, sampling_rule=args.sampling_rule, banned_phrases=args.ban)
                 try:
                     for chunk in chunks:
                         sys.stdout.write(chunk)

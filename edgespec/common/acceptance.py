@@ -22,7 +22,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from edgespec.common.errors import ContextOverflowError, InvalidTreeError
+from edgespec.common.constraints import TokenConstraint, node_context
+from edgespec.common.errors import ContextOverflowError, InvalidRequestError, InvalidTreeError
 from edgespec.common.rng import Purpose, generator
 from edgespec.common.sampling import AcceptanceRule, SamplingParams, probabilities, sample_inverse_cdf, top2_margin
 from edgespec.common.tree import TokenTree
@@ -142,21 +143,47 @@ def check_tree(tree: TokenTree, committed: Sequence[int], vocab_size: int, max_n
                sampling: SamplingParams) -> None:
     """Raise InvalidTreeError unless `tree` may be verified after `committed` (its root is the last token)."""
     tree.validate(vocab_size, max_nodes=max_nodes, max_depth=max_depth, require_q=sampling.needs_q)
+    if sampling.constraint:
+        sampling.constraint.validate(vocab_size)
     if not committed or tree.tokens[0] != committed[-1]:
         raise InvalidTreeError(f"tree root {int(tree.tokens[0])} is not the last committed token")
 
 
 def accept_logits(tree: TokenTree, sampling: SamplingParams, step: int, argmax: Sequence[int],
-                  row: Callable[[int], np.ndarray]) -> tuple[Acceptance, list[float]]:
+                  row: Callable[[int], np.ndarray], context: Sequence[int] | None = None,
+                  ) -> tuple[Acceptance, list[float]]:
     """Acceptance from the target's per-node logits, and the top-2 margin at each decided node.
 
     argmax: the target's argmax per node (used in greedy mode); row(i): node i's logits as a float
     array (sampled mode, and the margins). Decided nodes are the root and the accepted path: the
-    nodes whose logits chose a committed token.
+    nodes whose logits chose a committed token. With `sampling.constraint` every node's logits are
+    masked first, given `context` (the committed tokens, required then) plus the node's path, the
+    same mask the drafter applied (common/constraints.py); argmax is then taken over the masked row.
     """
+    if sampling.constraint:
+        row, argmax = _masked(tree, sampling.constraint, context, row)
     if sampling.greedy:
         acc = accept_greedy(tree, argmax)
     else:
         accept = accept_rejection if sampling.rule is AcceptanceRule.REJECTION else accept_target_sample
         acc = accept(tree, lambda node: probabilities(row(node), sampling), sampling.seed, step)
     return acc, [top2_margin(row(n)) for n in (0, *acc.path)]
+
+
+def _masked(tree: TokenTree, constraint: TokenConstraint, context: Sequence[int] | None,
+            row: Callable[[int], np.ndarray]) -> tuple[Callable[[int], np.ndarray], Sequence[int]]:
+    """row and argmax of the constraint-masked logits, computed per node on first use."""
+    if context is None:
+        raise InvalidRequestError("a constrained request needs the committed context at acceptance")
+    rows: dict[int, np.ndarray] = {}
+
+    def masked_row(node: int) -> np.ndarray:
+        if node not in rows:
+            rows[node] = constraint.apply(row(node), node_context(context, tree.tokens, tree.path_to(node)))
+        return rows[node]
+
+    class _Argmax:
+        def __getitem__(self, node: int) -> int:
+            return int(np.argmax(masked_row(node)))
+
+    return masked_row, _Argmax()  # type: ignore[return-value]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgespec.common.constraints import TokenConstraint
 from edgespec.common.errors import InvalidRequestError
 
 Q_SCALE = 65535  # draft probabilities travel as uint16 fractions of this scale
@@ -43,6 +44,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     rule: AcceptanceRule = AcceptanceRule.TARGET_SAMPLE
+    # Banned token sequences, masked identically in the draft and in acceptance (common/constraints.py).
+    constraint: TokenConstraint | None = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):

@@ -23,6 +23,7 @@ import grpc
 import numpy as np
 
 from edgespec.common import errors
+from edgespec.common.constraints import TokenConstraint
 from edgespec.common.errors import (
     ContextOverflowError,
     EdgespecError,
@@ -171,8 +172,26 @@ _RULE_FROM_WIRE = {v: k for k, v in _RULE_TO_WIRE.items()}
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
-    return pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                             seed=params.seed & ((1 << 64) - 1), rule=_RULE_TO_WIRE[params.rule])
+    msg = pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                            seed=params.seed & ((1 << 64) - 1), rule=_RULE_TO_WIRE[params.rule])
+    if params.constraint:
+        banned = params.constraint.banned
+        msg.constraint.CopyFrom(pb.TokenConstraint(tokens=pack_i32([t for seq in banned for t in seq]),
+                                                   lengths=pack_i32([len(seq) for seq in banned])))
+    return msg
+
+
+def constraint_from_proto(msg: pb.TokenConstraint) -> TokenConstraint | None:
+    """The banned sequences of a SamplingParams.constraint; None when there are none."""
+    tokens = unpack_i32(msg.tokens, "constraint.tokens")
+    lengths = unpack_i32(msg.lengths, "constraint.lengths")
+    if not lengths.size:
+        return None
+    if (lengths < 1).any() or int(lengths.sum()) != tokens.size:
+        raise WireFormatError(f"constraint.lengths sum to {int(lengths.sum())}, but constraint.tokens holds "
+                              f"{tokens.size} ids (and every length must be >= 1)")
+    bounds = np.cumsum(lengths)[:-1]
+    return TokenConstraint(tuple(tuple(seq.tolist()) for seq in np.split(tokens, bounds)))
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -180,8 +199,9 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     top_p = msg.top_p if msg.top_p != 0 else 1.0
     if msg.rule not in _RULE_FROM_WIRE:
         raise InvalidRequestError(f"unknown acceptance rule {msg.rule}")
+    constraint = constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None
     return SamplingParams(temperature=float(msg.temperature), top_k=int(msg.top_k), top_p=float(top_p),
-                          seed=int(msg.seed), rule=_RULE_FROM_WIRE[msg.rule])
+                          seed=int(msg.seed), rule=_RULE_FROM_WIRE[msg.rule], constraint=constraint)
 
 
 # -- trees ------------------------------------------------------------------------------------

@@ -156,6 +156,7 @@ class Drafter:
              stop: Callable[[], bool] | None = None) -> Draft:
         """Draft a tree rooted at committed[-1]; `stop()` returning True ends growth early."""
         started = time.perf_counter()
+        self._committed = committed   # the context of the constraint mask (_expand)
         root_logits = self.ctx.sync(committed)
         nodes = [_Node(token=committed[-1], parent=-1, depth=0, score=1.0, seq=0)]
         frontier = self._expand(nodes, 0, root_logits, shape, sampling, step)
@@ -194,6 +195,12 @@ class Drafter:
     def _expand(self, nodes: list[_Node], parent: int, logits: np.ndarray, shape: TreeShape,
                 sampling: SamplingParams, step: int) -> list[int]:
         """Add the children of `parent` (see the module docstring); returns their indices."""
+        if sampling.constraint:   # the verifier's mask, so q is the masked draft distribution
+            path, node = [], parent
+            while node > 0:
+                path.append(nodes[node].token)
+                node = nodes[node].parent
+            logits = sampling.constraint.apply(logits, [*self._committed, *path[::-1]])
         if sampling.needs_q:
             p = probabilities(logits, sampling)
             support = np.argsort(-p, kind="stable")[: shape.branching]

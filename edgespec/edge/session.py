@@ -14,6 +14,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from edgespec.common import modelstore
+from edgespec.common.constraints import TokenConstraint
 from edgespec.common.errors import (
     ContextOverflowError,
     InvalidRequestError,
@@ -374,12 +375,16 @@ class EdgeSession:
 
     def chat(self, messages: Messages, *, stream: bool = False, max_tokens: int = 256, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-             sampling_rule: AcceptanceRule | str = AcceptanceRule.TARGET_SAMPLE) -> str | Iterator[str]:
+             sampling_rule: AcceptanceRule | str = AcceptanceRule.TARGET_SAMPLE,
+             banned_phrases: Sequence[str] = ()) -> str | Iterator[str]:
         """Answer a prompt or a list of {"role", "content"} messages; stream=True yields text chunks.
 
         Sampling (temperature > 0) is exact whatever the tree: `sampling_rule` "target-sample"
         (default) or "rejection" (see common/acceptance.py). `seed` None draws a fresh seed per
         call, so the same prompt twice gives different answers; pass a seed to reproduce one.
+        `banned_phrases` are never completed in the answer: their usual tokenisations are masked in
+        the draft and in the verifier alike (common/constraints.py), so the output is the target's
+        own output under that mask.
         """
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
@@ -389,7 +394,12 @@ class EdgeSession:
             raise InvalidRequestError(f"max_tokens must be > 0, got {max_tokens}")
         if seed is None:
             seed = secrets.randbits(63)
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, rule=sampling_rule)
+        constraint = None
+        if banned_phrases:
+            constraint = TokenConstraint.from_phrases(
+                banned_phrases, lambda text: self.draft_model.tokenize(text, add_special=False, parse_special=False))
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, rule=sampling_rule,
+                                  constraint=constraint)
         self._check_open()
         messages = list(messages)
         if self.privacy is not None:   # everything tokenised (draft and verifier) is masked text

@@ -59,7 +59,7 @@ class LocalVerifier:
         self._hold(context)
         started = time.perf_counter()
         logits, leaf_seq = self.ctx.decode_tree(tree.tokens.tolist(), tree.parents.tolist())
-        acc, margins = accept_logits(tree, sampling, step, logits.argmax(axis=1), logits.__getitem__)
+        acc, margins = accept_logits(tree, sampling, step, logits.argmax(axis=1), logits.__getitem__, context)
         if self.on_verified is not None:
             self.on_verified(context, tree, acc, logits)
         accepted_tokens = tree.tokens[acc.path].tolist()

@@ -87,7 +87,7 @@ class TorchSession(BackendSession):
         host_rule = None
         if not decided_on_device(sampling):  # the rejection rule needs q: decided from logits rows on the host
             def host_rule(argmax, row):  # noqa: ANN001, ANN202
-                return accept_logits(tree, sampling, step, argmax, row)[0]
+                return accept_logits(tree, sampling, step, argmax, row, self.committed)[0]
         return TreeStep(self.seq, tree.tokens.tolist(), tree.parents.tolist(), sampling, step, host_rule)
 
     def _commit(self, tree: TokenTree, decision: Decision, compute_s: float) -> VerifyResult:

@@ -64,8 +64,9 @@ def uniform(seed: int, step: int, node: int) -> float:
 
 def decided_on_device(sampling: SamplingParams) -> bool:
     """Greedy and the target-sample rule are decided on the device; the rejection rule (which needs
-    the draft's q) on the host."""
-    return sampling.greedy or rule_of(sampling) == TARGET_SAMPLE
+    the draft's q) on the host, and so is any request with a constraint (its mask, common/constraints.py,
+    is applied to the logits rows on the host)."""
+    return (sampling.greedy or rule_of(sampling) == TARGET_SAMPLE) and not sampling.constraint
 
 
 @dataclass

@@ -170,6 +170,16 @@ def kl_buckets(draft_logits, topk_ids, topk_logprobs):  # torch tensors -> (per-
     return (p * (log_p - log_q)).sum(-1) + p_rest * (p_rest.log() - q_rest.log())
 
 
+def draft_logits(model, ids: np.ndarray, positions: np.ndarray):  # -> torch tensor (len(positions), vocab)
+    """The draft's logits at `positions` only: the output layer (vocabulary x hidden, the largest
+    matrix of a small draft) runs on the decided rows, not on every token of the window."""
+    import torch
+
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = causal_lm.model(input_ids=torch.from_numpy(ids)[None]).last_hidden_state[0]
+    return causal_lm.lm_head(hidden[torch.from_numpy(positions)])
+
+
 def evaluate(model, examples: Sequence[Example], depth: int, max_len: int) -> dict:
     """Held-out KL, top-1 agreement and replayed greedy chain τ (module docstring)."""
     import torch
@@ -179,7 +189,7 @@ def evaluate(model, examples: Sequence[Example], depth: int, max_len: int) -> di
         for ex in examples:
             matches: list[bool] = []
             for ids, pos, tk_ids, tk_lps in windows(ex, max_len):
-                logits = model(torch.from_numpy(ids)[None]).logits[0, torch.from_numpy(pos)]
+                logits = draft_logits(model, ids, pos)
                 kls.append(kl_buckets(logits, torch.from_numpy(tk_ids), torch.from_numpy(tk_lps)).numpy())
                 matches.extend((logits.argmax(-1).numpy() == tk_ids[:, 0]).tolist())
             agree.extend(matches)
@@ -211,7 +221,7 @@ def train(model, examples: Sequence[Example], *, steps: int, lr: float, max_len:
     losses = []
     for step in range(steps):
         ids, pos, tk_ids, tk_lps = batches[int(rng.integers(len(batches)))]
-        logits = model(torch.from_numpy(ids)[None]).logits[0, torch.from_numpy(pos)]
+        logits = draft_logits(model, ids, pos)
         loss = kl_buckets(logits, torch.from_numpy(tk_ids), torch.from_numpy(tk_lps)).mean()
         opt.zero_grad()
         loss.backward()

@@ -31,6 +31,7 @@ from edgespec.common.errors import (
     ContextOverflowError,
     EdgespecError,
     InvalidRequestError,
+    InvalidTreeError,
     TokenizerMismatchError,
 )
 from edgespec.common.wire import ModelNotServedError, ProtocolError, TreeTooLargeError
@@ -61,6 +62,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     # -- Info ---------------------------------------------------------------------------------
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
+        if isinstance(request, _Undecodable):
+            self._abort(context, None, wire.WireFormatError(f"InfoRequest does not decode: {request.error}"))
         i, r = self.info, self.registry
         return pb.InfoReply(
             protocol_version=wire.PROTOCOL_VERSION, model_id=i.model_id, model_aliases=list(i.aliases),
@@ -79,6 +82,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             session = self.registry.open_stream(context.peer())
             for message in request_iterator:
                 received = time.monotonic()
+                if isinstance(message, _Undecodable):
+                    raise wire.WireFormatError(f"EdgeMessage does not decode: {message.error}")
                 kind = message.WhichOneof("kind")
                 if kind == "open":
                     yield self._open(session, message.open)
@@ -115,7 +120,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                 f"(this verifier speaks {wire.PROTOCOL_VERSION})")
         if not self.info.serves(msg.model_id):
             names = ", ".join((self.info.model_id, *self.info.aliases))
-            raise ModelNotServedError(f"model {msg.model_id!r} is not served here (this verifier serves {names})")
+            shown = msg.model_id if len(msg.model_id) <= 200 else msg.model_id[:200] + "..."  # details must fit a header
+            raise ModelNotServedError(f"model {shown!r} is not served here (this verifier serves {names})")
         if not msg.tokenizer_hash:
             raise TokenizerMismatchError("Open.tokenizer_hash is required (the draft's token-list fingerprint)")
         if not hmac.compare_digest(msg.tokenizer_hash.encode(), self.info.tokenizer_hash.encode()):
@@ -134,11 +140,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _sync(self, session: ServerSession, msg: pb.Sync, received: float) -> pb.VerifierMessage:
         if not session.opened:
             raise ProtocolError("Sync before Open: the first message of a stream must be Open")
+        self.registry.admit(session)
         tokens = wire.tokens_from_bytes(msg.tokens, "sync.tokens")
         if not tokens:
             raise InvalidRequestError("Sync carries no tokens: the committed context needs at least one")
         if len(tokens) > self.info.n_ctx:
             raise ContextOverflowError(f"context of {len(tokens)} tokens exceeds n_ctx={self.info.n_ctx}")
+        bad = next((t for t in tokens if not 0 <= t < self.info.vocab_size), None)
+        if bad is not None:   # checked here: a backend that already holds tokens[:-1] would skip its own check
+            raise InvalidTreeError(f"context token id {bad} outside the vocabulary [0, {self.info.vocab_size})")
         with self.registry.compute(session, received) as waited:
             kv = self.registry.ensure_slot(session, tokens)
             started = time.monotonic()
@@ -159,6 +169,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise ProtocolError("Verify before Open: the first message of a stream must be Open")
         if not session.synced:
             raise ProtocolError("Verify before Sync: send the committed context first")
+        self.registry.admit(session)
         i = self.info
         tree = wire.tree_from_proto(msg.tree, max_nodes=i.max_nodes, max_k=i.max_k)
         sampling = wire.sampling_from_proto(msg.sampling)
@@ -204,6 +215,34 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.registry.stats.resyncs += 1
         log.info("session %s: ResyncRequired(%s) at step %d", session.id, Reason.Name(reason), step)
         return pb.VerifierMessage(resync_required=pb.ResyncRequired(step=step, reason=reason, detail=detail))
+
+
+class _Undecodable:
+    """A request whose bytes do not parse: answered INVALID_ARGUMENT by the servicer (gRPC itself
+    would answer INTERNAL, "Exception deserializing request!")."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _lenient(cls):  # noqa: ANN001, ANN202
+    def parse(data: bytes):  # noqa: ANN202
+        try:
+            return cls.FromString(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, RecursionError on deep nesting, ...
+            return _Undecodable(f"{type(exc).__name__}: {exc}"[:300])
+    return parse
+
+
+def _add_verifier_servicer(servicer: "VerifierServicer", server: grpc.Server) -> None:
+    """pb_grpc.add_VerifierServicer_to_server with request parsers that never fail (see _Undecodable)."""
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(wire.SERVICE_NAME, {
+        "Session": grpc.stream_stream_rpc_method_handler(
+            servicer.Session, request_deserializer=_lenient(pb.EdgeMessage),
+            response_serializer=pb.VerifierMessage.SerializeToString),
+        "Info": grpc.unary_unary_rpc_method_handler(
+            servicer.Info, request_deserializer=_lenient(pb.InfoRequest),
+            response_serializer=pb.InfoReply.SerializeToString)}),))
 
 
 class BearerAuthInterceptor(grpc.ServerInterceptor):
@@ -341,7 +380,8 @@ class VerifierServer:
     def __init__(self, backend: Backend, *, host: str = "127.0.0.1", port: int = 50051, token: str | None = None,
                  tls_cert: str | Path | None = None, tls_key: str | Path | None = None, max_sessions: int = 4,
                  max_streams: int = 64, kv_budget_bytes: int | None = None, idle_timeout_s: float = 600.0,
-                 prefix_cache: bool = True, metrics: bool = False, keepalive_s: float = 20.0) -> None:
+                 prefix_cache: bool = True, metrics: bool = False, keepalive_s: float = 20.0,
+                 max_streams_per_client: int = 0, client_rate: float = 0.0) -> None:
         """metrics=True keeps Prometheus metrics (edgespec/verifier/metrics.py, needs the
         `verifier` extra); `serve_metrics` exposes them over HTTP.
 
@@ -353,7 +393,8 @@ class VerifierServer:
         self.backend = backend
         self.registry = SessionRegistry(backend, max_sessions=max_sessions, max_streams=max_streams,
                                         kv_budget_bytes=kv_budget_bytes, idle_timeout_s=idle_timeout_s,
-                                        retain_closed=prefix_cache)
+                                        retain_closed=prefix_cache, max_streams_per_client=max_streams_per_client,
+                                        client_rate=client_rate)
         # One thread per open stream (sync gRPC) plus a few for Info/health/reflection; calls past
         # that are refused with RESOURCE_EXHAUSTED by gRPC instead of queueing forever.
         workers = max_streams + 8
@@ -380,7 +421,7 @@ class VerifierServer:
             if self.auth is not None:
                 self.auth.on_failure = self.metrics.auth_failure
         self.servicer = VerifierServicer(backend, self.registry, self.metrics)
-        pb_grpc.add_VerifierServicer_to_server(self.servicer, self._server)
+        _add_verifier_servicer(self.servicer, self._server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         enable_reflection((wire.SERVICE_NAME, HEALTH_SERVICE), self._server)

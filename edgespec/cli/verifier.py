@@ -53,7 +53,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_sessions=args.max_sessions, max_streams=args.max_streams,
             kv_budget_bytes=int(args.kv_budget_mb * 2**20) if args.kv_budget_mb else None,
             idle_timeout_s=args.idle_timeout_s, prefix_cache=not args.no_prefix_cache,
-            metrics=args.metrics_port is not None, keepalive_s=args.keepalive_s)
+            metrics=args.metrics_port is not None, keepalive_s=args.keepalive_s,
+            max_streams_per_client=args.max_streams_per_client, client_rate=args.client_rate)
         metrics_at = None
         if args.metrics_port is not None:
             metrics_at = server.serve_metrics(args.metrics_host or args.host, args.metrics_port)
@@ -162,6 +163,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--max-sessions", type=int, default=4, help="KV slots: sessions held in memory at once (LRU)")
     p.add_argument("--max-streams", type=int, default=64, help="open conversations accepted at once")
+    p.add_argument("--max-streams-per-client", type=int, default=0,
+                   help="open conversations one client (address) may hold (default 0: no per-client limit)")
+    p.add_argument("--client-rate", type=float, default=0.0,
+                   help="Sync/Verify requests per second one client (address) may send (default 0: unlimited)")
     p.add_argument("--kv-budget-mb", type=float, default=None, help="cap the KV slots by estimated memory")
     p.add_argument("--n-ctx", type=int, default=4096, help="context window per session (default 4096)")
     p.add_argument("--max-nodes", type=int, default=128, help="largest tree accepted, root included")

@@ -8,6 +8,9 @@
   `ResyncRequired(EVICTED)` (the edge re-sends Sync and retries). If every other slot belongs to a
   session with a request in flight, the request fails with RESOURCE_EXHAUSTED (VerifierBusyError).
 - Sessions idle longer than `idle_timeout_s` lose their slot the same way (reason IDLE_TIMEOUT).
+- Per-client limits (a client = the peer's address without its port): at most
+  `max_streams_per_client` open streams, and `client_rate` Sync/Verify requests per second (a token
+  bucket holding up to one second's worth); past either, RESOURCE_EXHAUSTED (VerifierBusyError).
 - Prefix cache: when a stream ends, its KV state stays as a *retained* slot (they count towards
   `max_live` and are the first to go when a slot is needed). A session's first Sync adopts the
   retained slot sharing the longest prefix with its context, so an edge that re-attaches after a
@@ -27,6 +30,7 @@ import itertools
 import logging
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -87,6 +91,16 @@ class ServerSession:
     last_used: float = field(default_factory=time.monotonic)
     in_flight: int = 0                     # requests queued for or inside the compute worker
     client_name: str = ""
+    client: str = ""                       # the peer's address without its port (per-client limits)
+
+
+def client_of(peer: str) -> str:
+    """The client a gRPC peer string belongs to: "ipv4:10.0.0.5:51234" -> "10.0.0.5",
+    "ipv6:%5B::1%5D:5000" -> "::1", an IPv4-mapped IPv6 address -> the IPv4 one; else the string."""
+    if not peer.startswith(("ipv4:", "ipv6:")):
+        return peer
+    host = urllib.parse.unquote(peer[5:]).rsplit(":", 1)[0].strip("[]")
+    return host[7:] if host.startswith("::ffff:") and "." in host else host
 
 
 @dataclass
@@ -97,6 +111,7 @@ class RegistryStats:
     verifies: int = 0
     syncs: int = 0
     rejected_streams: int = 0
+    throttled: int = 0            # requests refused by the per-client rate limit
     prefix_hits: int = 0          # Syncs that adopted a retained slot
     prefix_tokens_reused: int = 0  # context tokens those Syncs did not have to prefill
 
@@ -115,7 +130,10 @@ class VerifyOutcome:
 class SessionRegistry:
     def __init__(self, backend: Backend, *, max_sessions: int = 4, max_streams: int = 64,
                  kv_budget_bytes: int | None = None, idle_timeout_s: float = 600.0,
-                 retain_closed: bool = True, max_batch: int = 32) -> None:
+                 retain_closed: bool = True, max_batch: int = 32, max_streams_per_client: int = 0,
+                 client_rate: float = 0.0) -> None:
+        """max_streams_per_client: open streams one client may hold (0: only max_streams applies);
+        client_rate: Sync/Verify requests per second one client may send (0: unlimited)."""
         if max_sessions < 1 or max_streams < 1:
             raise ValueError("max_sessions and max_streams must be >= 1")
         self.backend = backend
@@ -128,6 +146,10 @@ class SessionRegistry:
                                  f"(~{per} bytes at n_ctx {backend.info.n_ctx})")
             self.max_live = min(max_sessions, int(fit))
         self.max_streams = max_streams
+        self.max_streams_per_client = max_streams_per_client
+        self.client_rate = client_rate
+        self._client_streams: collections.Counter[str] = collections.Counter()
+        self._buckets: dict[str, tuple[float, float]] = {}   # client -> (tokens, monotonic time)
         self.idle_timeout_s = idle_timeout_s
         self.retain_closed = retain_closed
         self.stats = RegistryStats()
@@ -153,9 +175,36 @@ class SessionRegistry:
                 self.stats.rejected_streams += 1
                 raise VerifierBusyError(f"this verifier already has {len(self._streams)} open sessions "
                                         f"(limit {self.max_streams}); retry later")
-            session = ServerSession(id=f"s{next(self._ids)}", peer=peer)
+            client = client_of(peer)
+            if 0 < self.max_streams_per_client <= self._client_streams[client]:
+                self.stats.rejected_streams += 1
+                raise VerifierBusyError(f"client {client} already has {self._client_streams[client]} open sessions "
+                                        f"(per-client limit {self.max_streams_per_client}); close one or retry later")
+            session = ServerSession(id=f"s{next(self._ids)}", peer=peer, client=client)
             self._streams[session.id] = session
+            self._client_streams[client] += 1
             return session
+
+    def admit(self, session: ServerSession) -> None:
+        """Count one Sync/Verify against its client's rate; VerifierBusyError when over it."""
+        if self.client_rate <= 0:
+            return
+        now = time.monotonic()
+        with self._lock:
+            tokens, at = self._buckets.get(session.client, (self.client_rate, now))
+            tokens = min(max(self.client_rate, 1.0), tokens + (now - at) * self.client_rate)
+            if tokens < 1:
+                self._buckets[session.client] = (tokens, now)
+                self.stats.throttled += 1
+                wait_ms = (1 - tokens) / self.client_rate * 1000
+                raise VerifierBusyError(f"client {session.client} is over its rate limit of {self.client_rate:g} "
+                                        f"requests/s; retry in {wait_ms:.0f} ms")
+            self._buckets[session.client] = (tokens - 1, now)
+            if len(self._buckets) > 4096:   # forget clients whose buckets have refilled
+                full = max(self.client_rate, 1.0)
+                for c, (t, a) in list(self._buckets.items()):
+                    if t + (now - a) * self.client_rate >= full:
+                        del self._buckets[c]
 
     def close_stream(self, session: ServerSession) -> None:
         with self.compute_lock_held():
@@ -167,7 +216,10 @@ class SessionRegistry:
             else:
                 self._drop_kv(session, Reason.REASON_UNSPECIFIED)
         with self._lock:
-            self._streams.pop(session.id, None)
+            if self._streams.pop(session.id, None) is not None:
+                self._client_streams[session.client] -= 1
+                if self._client_streams[session.client] <= 0:
+                    del self._client_streams[session.client]
 
     @property
     def open_streams(self) -> int:

@@ -179,3 +179,40 @@ class _UnmaskedVerifier(ConstrainedTableVerifier):
     def verify(self, context, tree, sampling, step):  # noqa: ANN001, ANN201
         import dataclasses
         return super().verify(context, tree, dataclasses.replace(sampling, constraint=None), step)
+
+
+# -- the real thing: SmolLM2 behind a verifier process, the constraint carried by the proto -------
+def test_banned_phrase_through_a_real_verifier(smol_path, smol_model) -> None:
+    """The verifier process applies the mask the edge sent: remote constrained output equals local
+    constrained output (same tree shape), follows the free output up to the banned token, and
+    never completes a banned sequence."""
+    from tests.grpc_helpers import ServerProcess
+    from edgespec.edge.session import EdgeSession
+
+    def tokens(session: EdgeSession, sampling: SamplingParams) -> list[int]:
+        return [t for chunk in session.generate_tokens(prompt, 40, sampling) for t in chunk][:40]
+
+    tokenize = lambda text: smol_model.tokenize(text, add_special=False, parse_special=False)  # noqa: E731
+    prompt = smol_model.chat_tokens([{"role": "user", "content": "Write three sentences about the sea."}])
+    server = ServerProcess(smol_path, "--n-ctx", "1024", "--threads", "1", token="c")
+    try:
+        with EdgeSession(smol_path, smol_path, verifier=server.address, token="c", fallback=False, n_ctx=1024,
+                         tree=TreeShape.chain(4), draft_threads=1) as remote, \
+                EdgeSession(smol_path, smol_path, local=True, n_ctx=1024, tree=TreeShape.chain(4),
+                            draft_threads=1, target_threads=1) as local:
+            free = tokens(remote, SamplingParams())
+            # A whole word the model wrote as one token, a few tokens in: ban it.
+            i = next(i for i, t in enumerate(free) if i >= 3 and smol_model.detokenize([t]).startswith(" ")
+                     and smol_model.detokenize([t]).strip().isalpha() and len(smol_model.detokenize([t]).strip()) >= 4)
+            word = smol_model.detokenize([free[i]]).strip()
+            constraint = TokenConstraint.from_phrases([word], tokenize)
+            banned = SamplingParams(constraint=constraint)
+            got, want = tokens(remote, banned), tokens(local, banned)
+            text = remote.chat("Write three sentences about the sea.", max_tokens=40, banned_phrases=[word])
+    finally:
+        server.stop()
+    assert got == want
+    assert got[:i] == free[:i] and got[i] != free[i]
+    for seq in constraint.banned:
+        assert not any(tuple(got[j:j + len(seq)]) == seq for j in range(len(got))), word
+    assert f" {word}" not in text

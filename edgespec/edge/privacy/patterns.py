@@ -118,7 +118,8 @@ _HAN = "\u4e00-\u9fff"
 # these plus one or two characters, and only next to a cue (我叫…, …先生), which keeps precision.
 _SURNAMES = ("王李张刘陈杨黄赵吴周徐孙马朱胡郭何高林罗郑梁谢宋唐许韩冯邓曹彭曾肖田董袁潘于蒋蔡余杜叶程苏魏吕丁任沈"
              "姚卢姜崔钟谭陆汪范金石廖贾夏韦付方白邹孟熊秦邱江尹薛闫段雷侯龙史陶黎贺顾毛郝龚邵万钱严覃武戴莫孔向汤")
-_NAME_END = r"(?=[\s，,。.;；:：、!！?？()（）的是在和与电手邮住身今明昨]|$|\d)"
+_NAME_END = r"(?=[\s，,。.;；:：、!！?？()（）的是在和与电手邮住身今明昨反说表]|$|\d)"
+_NOT_CN_NAMES = {"方式", "方法", "方面", "方便", "高兴", "一下", "江湖", "万一"}  # surname-initial words after a cue
 _STREET = r"(?:Street|St\.?|Avenue|Ave\.?|Road|Rd\.?|Boulevard|Blvd\.?|Lane|Ln\.?|Drive|Dr\.?|Way|Court|Ct\.?|Place|Pl\.?)"
 
 RECOGNIZERS: tuple[PatternRecognizer, ...] = (
@@ -162,7 +163,7 @@ RECOGNIZERS: tuple[PatternRecognizer, ...] = (
         rf"(?P<v>[{_SURNAMES}][{_HAN}]{{1,2}}?)(?:先生|女士|小姐|老师|医生|经理|同学|教授|律师|总)")),
     PatternRecognizer("PERSON", "cn_name_after_cue", re.compile(
         rf"(?:我叫|名叫|叫做|姓名[:：]?\s*|联系人[:：]?\s*|收件人[:：]?\s*|联系|客户|患者|员工|同事|朋友|致)"
-        rf"(?P<v>[{_SURNAMES}][{_HAN}]{{1,2}}?){_NAME_END}")),
+        rf"(?P<v>[{_SURNAMES}][{_HAN}]{{1,2}}){_NAME_END}"), lambda v: v not in _NOT_CN_NAMES),
 )
 
 

@@ -159,6 +159,11 @@ def test_client_that_disconnects_mid_stream_does_not_block_others(daemon, client
     # the abandoned stream stops after its current step, so this one is answered well before 200 tokens
     r = client.chat.completions.create(model="edge-test", messages=PROMPT, max_tokens=2)
     assert r.choices[0].message.content
+    # and nothing leaks: nothing is counted as queued or running once both are over
+    h = httpx.get(daemon.url + "/health", timeout=30).json()
+    assert h["pending"] == 0, h
+    metrics = httpx.get(daemon.url + "/metrics", timeout=30).text
+    assert "edgespec_edge_requests_in_flight 0.0" in metrics and "edgespec_edge_queue_depth 0.0" in metrics
 
 
 def test_metrics(daemon, client):

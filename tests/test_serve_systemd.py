@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -28,14 +29,18 @@ PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse kee
 
 
 class NotifySocket:
-    """A bound AF_UNIX datagram socket collecting (monotonic time, message) like systemd would."""
+    """A bound AF_UNIX datagram socket collecting (monotonic time, message) like systemd would,
+    and, like systemd, the sender's pid from its credentials (SO_PASSCRED): NotifyAccess=main
+    ignores messages from any other process."""
 
     def __init__(self, path: Path) -> None:
         self.path = str(path)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self.sock.bind(self.path)
         self.sock.settimeout(0.2)
         self.messages: list[tuple[float, str]] = []
+        self.senders: set[int] = set()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
@@ -43,11 +48,14 @@ class NotifySocket:
     def _read(self) -> None:
         while not self._stop.is_set():
             try:
-                data = self.sock.recv(4096)
+                data, ancillary, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(12))
             except socket.timeout:
                 continue
             except OSError:
                 return
+            for level, kind, payload in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                    self.senders.add(struct.unpack("3i", payload[:12])[0])
             self.messages.append((time.monotonic(), data.decode()))
 
     def first(self, field: str, timeout_s: float = 180) -> float:
@@ -102,6 +110,8 @@ def test_ready_only_after_models_load_then_watchdog_pings(tmp_path):
         notify.close()
     assert code == 0, "".join(d.stderr)
     assert any(m == "STOPPING=1" for _, m in notify.messages)
+    # only the daemon speaks: its bundled verifier child must not report READY or pings for it
+    assert notify.senders == {d.proc.pid}, (notify.senders, d.proc.pid)
 
 
 @pytest.fixture()

@@ -83,18 +83,28 @@ class Service:
 
     # -- pool -----------------------------------------------------------------------------------
     def add_session(self, session: Any) -> None:
-        worker = SessionWorker(len(self.workers), session, self.jobs, self._done)
+        worker = SessionWorker(len(self.workers), session, self.jobs, self._start, self._done)
         self.workers.append(worker)
         worker.start()
 
+    def _start(self, job: Job) -> None:
+        """Session thread: a job left the queue."""
+        self.metrics.queue_depth.dec()
+        self.metrics.in_flight.inc()
+        self.metrics.queue_seconds.observe(time.monotonic() - job.enqueued)
+
     def _done(self, index: int, job: Job, outcome: Outcome | None, exc: BaseException | None) -> None:
-        """Session thread: count the request."""
+        """Session thread: the job is over and its session free (whatever happened to the client)."""
         m = self.metrics
+        m.in_flight.dec()
         if outcome is not None:
             m.requests.labels("ok").inc()
             m.observe_request(outcome.stats, outcome.prompt_tokens, session=index)
-        else:
+        elif exc is not None:
             m.requests.labels("client_error" if error_for(exc).status < 500 else "error").inc()
+        else:
+            m.requests.labels("abandoned").inc()
+        job.release()
 
     def stalled(self) -> str | None:
         """What is wrong, for /health and the systemd watchdog; None when healthy."""
@@ -128,13 +138,15 @@ class Service:
         if self.pending >= limit:
             raise APIError(429, f"{self.pending} requests are already queued or running (serve.sessions + "
                            f"serve.max_queue = {limit}); retry later", "rate_limit_error", code="queue_full")
-        job = Job(messages, params, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        job = Job(messages, params, loop)
         self.pending += 1
+        job.on_release = lambda: loop.call_soon_threadsafe(self._finished)
         self.metrics.queue_depth.inc()
         self.jobs.put(job)
         return job
 
-    def finished(self, job: Job) -> None:
+    def _finished(self) -> None:
         self.pending -= 1
 
 
@@ -261,39 +273,23 @@ def build_app(service: Service) -> Starlette:
         except APIError as exc:
             service.metrics.requests.labels("client_error" if exc.status < 500 else "refused").inc()
             return exc.response()
+        # The queue and metrics bookkeeping is the session thread's (Service._start/_done): it runs
+        # once per job whatever the client does, so a client that vanishes leaks nothing.
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), cfg.get("serve.model_name")
-        started = False
         try:
             kind, value = await job.events.get()       # the first event: waits for a session
-            started = True
-            service.metrics.queue_depth.dec()
-            service.metrics.in_flight.inc()
-            service.metrics.queue_seconds.observe(time.monotonic() - job.enqueued)
             if kind == "error":
-                service.metrics.in_flight.dec()
-                service.finished(job)
                 return error_for(value).response()
-        except BaseException:
-            job.cancelled.set()
-            if not started:
-                service.metrics.queue_depth.dec()
-            service.finished(job)
-            raise
-        if stream:
-            return StreamingResponse(_sse(service, job, (kind, value), rid, created, model, include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text = []
-        try:
+            if stream:
+                return StreamingResponse(_sse(job, (kind, value), rid, created, model, include_usage),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            text = []
             while kind == "chunk":
                 text.append(value)
                 kind, value = await job.events.get()
         except BaseException:
             job.cancelled.set()
             raise
-        finally:
-            if kind != "chunk":
-                service.metrics.in_flight.dec()
-                service.finished(job)
         if kind == "error":
             return error_for(value).response()
         outcome: Outcome = value
@@ -342,7 +338,7 @@ def build_app(service: Service) -> Starlette:
     ], exception_handlers={HTTPException: not_found, Exception: crashed})
 
 
-async def _sse(service: Service, job: Job, first: tuple[str, Any], rid: str, created: int, model: str,
+async def _sse(job: Job, first: tuple[str, Any], rid: str, created: int, model: str,
                include_usage: bool) -> AsyncIterator[bytes]:
     """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
     def event(payload: dict) -> bytes:
@@ -371,5 +367,3 @@ async def _sse(service: Service, job: Job, first: tuple[str, Any], rid: str, cre
     finally:
         if not done:
             job.cancelled.set()     # the client went away: the session stops after this step
-        service.metrics.in_flight.dec()
-        service.finished(job)

@@ -32,11 +32,18 @@ class Notifier:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def from_env(cls) -> "Notifier":
+    def from_env(cls, unset: bool = True) -> "Notifier":
+        """From NOTIFY_SOCKET / WATCHDOG_USEC / WATCHDOG_PID; `unset` removes them from the environment
+        (like sd_notify's unset_environment), so child processes (the bundled verifier) do not
+        report READY or pings on our behalf."""
         usec = os.environ.get("WATCHDOG_USEC")
         pid = os.environ.get("WATCHDOG_PID")
         watchdog = int(usec) if usec and usec.isdigit() and (not pid or pid == str(os.getpid())) else None
-        return cls(os.environ.get("NOTIFY_SOCKET"), watchdog)
+        address = os.environ.get("NOTIFY_SOCKET")
+        if unset:
+            for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
+                os.environ.pop(name, None)
+        return cls(address, watchdog)
 
     @property
     def enabled(self) -> bool:

@@ -54,9 +54,21 @@ class Job:
         self.cancelled = threading.Event()    # the client went away: stop after the current step
         self._loop = loop
         self.enqueued = time.monotonic()
+        self.on_release: Callable[[], None] | None = None
+
+    def release(self) -> None:
+        """The job's session is free again (called once, by the session thread)."""
+        if self.on_release is not None:
+            try:
+                self.on_release()
+            except RuntimeError:   # the event loop is gone (shutdown)
+                pass
 
     def emit(self, kind: str, value: Any) -> None:
-        self._loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        try:
+            self._loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:   # the event loop is gone (shutdown): nobody is listening any more
+            self.cancelled.set()
 
 
 class StopScanner:
@@ -122,10 +134,14 @@ class SessionWorker:
     """A thread that answers jobs from the shared queue with one EdgeSession."""
 
     def __init__(self, index: int, session: Any, jobs: "queue.Queue[Job | None]",
+                 on_start: Callable[[Job], None],
                  on_done: Callable[[int, Job, Outcome | None, BaseException | None], None]) -> None:
+        """on_start(job) when a job leaves the queue; on_done(...) exactly once per job taken from
+        the queue, also for one cancelled while it waited (outcome and exception None)."""
         self.index = index
         self.session = session
         self.jobs = jobs
+        self.on_start = on_start
         self.on_done = on_done
         self.heartbeat = Heartbeat(lambda: self.session.stats.steps)
         self.thread = threading.Thread(target=self._loop, name=f"edgespec-serve-{index}", daemon=True)
@@ -138,7 +154,9 @@ class SessionWorker:
             job = self.jobs.get()
             if job is None:
                 return
-            if job.cancelled.is_set():
+            self.on_start(job)
+            if job.cancelled.is_set():     # the client left while it waited
+                self.on_done(self.index, job, None, None)
                 continue
             self.heartbeat.busy = True
             self.heartbeat.progress()
@@ -146,13 +164,13 @@ class SessionWorker:
                 outcome = self._answer(job)
             except BaseException as exc:  # noqa: BLE001 - reported to the client; the worker keeps serving
                 log.warning("request failed on session %d: %s: %s", self.index, type(exc).__name__, exc)
-                job.emit("error", exc)
-                self.on_done(self.index, job, None, exc)
-            else:
-                job.emit("done", outcome)
-                self.on_done(self.index, job, outcome, None)
-            finally:
                 self.heartbeat.busy = False
+                self.on_done(self.index, job, None, exc)   # bookkeeping first: the client may ask right after
+                job.emit("error", exc)
+            else:
+                self.heartbeat.busy = False
+                self.on_done(self.index, job, outcome, None)
+                job.emit("done", outcome)
 
     def _answer(self, job: Job) -> Outcome:
         session, p = self.session, job.params

@@ -199,3 +199,21 @@ def test_api_key_and_full_queue(tmp_path):
             assert info.value.body["code"] == "queue_full"
     finally:
         assert d.stop() == 0, "".join(d.stderr)
+
+
+def test_startup_errors_exit_2_without_traceback(tmp_path, daemon):
+    import subprocess
+    import sys
+
+    def serve(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "edgespec", "serve", "--host", "127.0.0.1", *args],
+                              capture_output=True, text=True, timeout=300)
+
+    port = daemon.url.rsplit(":", 1)[1]
+    busy = serve("--port", port, "--draft", "test", "--target", "test", "--local")
+    assert busy.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in busy.stderr
+    assert "port is in use" in busy.stderr and "Traceback" not in busy.stderr
+    missing = serve("--port", "0", "--draft", str(tmp_path / "nope.gguf"), "--target", "test", "--local")
+    assert missing.returncode == 2, missing.stderr
+    assert "cannot load the models" in missing.stderr and "nope.gguf" in missing.stderr
+    assert "Traceback" not in missing.stderr

@@ -30,7 +30,7 @@ def test_version_and_top_level_help():
     h = cli("--help").stdout
     assert "add_parser" not in h and "one module per sub-command" not in h
     assert "speculative decoding" in h and "Exit codes" in h
-    for command in ("run", "serve", "config", "doctor", "models", "verifier"):
+    for command in ("run", "serve", "config", "doctor", "models", "verifier", "bench"):
         assert command in h
 
 

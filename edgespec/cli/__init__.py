@@ -17,7 +17,7 @@ DESCRIPTION = ("edgespec: edge-cloud speculative decoding. The device drafts tok
 EPILOG = ("Exit codes: 0 ok, 1 runtime failure, 2 bad usage or bad input, 130 Ctrl-C. "
           "Run 'edgespec COMMAND --help' for a command's options.")
 
-SUBCOMMANDS = ("run", "serve", "config", "doctor", "models", "verifier")
+SUBCOMMANDS = ("run", "serve", "config", "doctor", "models", "verifier", "bench")
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 

@@ -95,6 +95,10 @@ SCHEMA: tuple[Key, ...] = (
     Key("edge", "n_ctx", int, 4096, "context window in tokens (prompt + answer)", _range(64)),
     Key("edge", "chain", int, None, "classic chain speculation with this many drafts (default: planner trees)",
         _range(1, 64)),
+    Key("edge", "privacy", str, "", "PII masking before anything leaves the device: presidio, patterns, "
+        "or empty (off); each request gets its own placeholder vault", choices=("", "presidio", "patterns")),
+    Key("edge", "pii_strict", bool, False, "refuse a request (400) when the PII analyzer is unavailable or fails, "
+        "instead of falling back to the pattern recognizers"),
     Key("edge", "draft_threads", int, None, "llama.cpp threads of the draft (default: per mode, see README)",
         _range(1)),
     Key("edge", "target_threads", int, None, "llama.cpp threads of this device's target", _range(1)),
@@ -303,6 +307,8 @@ def session_kwargs(cfg: Config) -> dict[str, Any]:
         tree=TreeShape.chain(e["chain"]) if e["chain"] else None, n_ctx=e["n_ctx"],
         draft_threads=e["draft_threads"], target_threads=e["target_threads"],
         draft_gpu_layers=e["draft_gpu_layers"], target_gpu_layers=e["target_gpu_layers"])
+    if e["privacy"]:
+        kwargs.update(privacy=e["privacy"], strict=e["pii_strict"])
     if e["local"]:
         kwargs["local"] = True
     else:

@@ -217,3 +217,21 @@ def test_startup_errors_exit_2_without_traceback(tmp_path, daemon):
     assert missing.returncode == 2, missing.stderr
     assert "cannot load the models" in missing.stderr and "nope.gguf" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_pii_masking_counts_per_request_vault():
+    """edge.privacy: entities are masked and counted (types only), and every request gets its own
+    placeholder vault: two requests with different e-mail addresses count two, not 1 + 2."""
+    d = DaemonProcess("--draft", "test", "--target", "test", "--local", "--privacy", "patterns")
+    try:
+        c = d.client()
+        for address in ("ann.lee@example.com", "bob.stone@example.org"):
+            r = c.chat.completions.create(model="edgespec", max_tokens=3,
+                                          messages=[{"role": "user", "content": f"Write to {address} please."}])
+            assert r.choices[0].message.content is not None
+        text = httpx.get(d.url + "/metrics", timeout=30).text
+        assert 'edgespec_edge_pii_entities_masked_total{entity="EMAIL"} 2.0' in text, \
+            [line for line in text.splitlines() if "pii" in line]
+        assert "example.com" not in text and "ann.lee" not in "".join(d.stderr)
+    finally:
+        assert d.stop() == 0, "".join(d.stderr)

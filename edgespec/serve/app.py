@@ -61,6 +61,8 @@ def error_for(exc: BaseException) -> APIError:
         return APIError(400, str(exc), code="context_length_exceeded", param="messages")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc))
+    if type(exc).__name__ == "PrivacyError":   # strict PII masking refused to send the request
+        return APIError(400, str(exc), code="pii_refused", param="messages")
     if isinstance(exc, VerifierUnavailableError):
         return APIError(503, f"verifier unavailable: {exc}", "server_error", code="verifier_unavailable")
     if isinstance(exc, SessionClosedError):

@@ -130,6 +130,19 @@ class Heartbeat:
         return time.monotonic() - self.last_progress
 
 
+def pii_counts(masker: Any) -> dict[str, int]:
+    """Entities masked in this request, per type, from the vault's placeholders ([EMAIL_1] -> EMAIL);
+    never the values."""
+    from edgespec.edge.privacy.vault import PLACEHOLDER
+
+    counts: dict[str, int] = {}
+    for _, placeholder in masker.vault.known_values():
+        m = PLACEHOLDER.fullmatch(placeholder)
+        if m:
+            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return counts
+
+
 class SessionWorker:
     """A thread that answers jobs from the shared queue with one EdgeSession."""
 
@@ -175,6 +188,13 @@ class SessionWorker:
     def _answer(self, job: Job) -> Outcome:
         session, p = self.session, job.params
         session.reset_stats()
+        masker = getattr(session, "privacy", None)
+        if masker is not None:
+            # A fresh placeholder vault per request (the analyzer stays loaded): requests come from
+            # different clients, and a shared vault would restore one client's values into another's answer.
+            from edgespec.edge.privacy import Vault
+
+            masker.vault = Vault()
         prompt_tokens = len(session.draft_model.chat_tokens(job.messages))
         scanner = StopScanner(p.stop)
         chunks = session.chat(job.messages, stream=True, max_tokens=p.max_tokens, temperature=p.temperature,
@@ -196,4 +216,6 @@ class SessionWorker:
                 job.emit("chunk", rest)
         reason = "stop" if stopped or session.finish_reason == "stop" else "length"
         stats = session.stats
+        if session_masker := getattr(session, "privacy", None):
+            stats.extra["pii"] = {"entities": pii_counts(session_masker)}
         return Outcome(reason, prompt_tokens, stats.tokens, stats)

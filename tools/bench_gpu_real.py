@@ -11,8 +11,9 @@ the GPU host has no tokenizer). For each prompt:
 2. speculative: trees whose nodes follow the target-only continuation for up to `--depth` levels,
    each level with a wrong sibling and, at random, a wrong token that ends the path early (so paths
    of every length get accepted and rejected); the output must equal target-only token for token.
-   A divergence is reported with the target-only margin where it happened (a near-tie explained by
-   bf16 numerics shows a small margin there).
+   At a divergence the tree step's own logits row for the deciding node (the engine's static
+   output of that very step) is compared with the target-only row for the same position: it is
+   explained by numerics when each row's argmax is the token that path emitted.
 Step times: median `verify` wall time of the target-only and the speculative steps.
 """
 from __future__ import annotations
@@ -51,8 +52,29 @@ def target_only(backend: TorchBackend, prompt: list[int], n: int) -> tuple[list[
     return out[:n], margins[:n], times
 
 
+def row_at(backend: TorchBackend, b: int, node: int) -> np.ndarray:
+    return backend.engine.last_logits()[b, node].float().cpu().numpy()
+
+
+def explain(backend: TorchBackend, prompt: list[int], ref: list[int], got: list[int], j: int,
+            tree_row: np.ndarray) -> dict:
+    """At the first divergence j: the tree step's own logits row for the deciding node (tree_row)
+    and the target-only step's row for the same position, recomputed in its own batch shape."""
+    s = backend.open_session()
+    s.sync(prompt + ref[:j])
+    s.verify(TokenTree(tokens=np.array([s.committed[-1]]), parents=np.array([-1])), GREEDY, 0)
+    ar_row = row_at(backend, 0, 0)
+    s.close()
+    a, b = ref[j], got[j]
+    return {"target_only_token": a, "tree_token": b,
+            "tree_row_argmax": int(tree_row.argmax()), "target_only_row_argmax": int(ar_row.argmax()),
+            "tree_row_gap": float(tree_row[b] - tree_row[a]), "target_only_row_gap": float(ar_row[a] - ar_row[b]),
+            "row_max_abs_diff": float(np.abs(tree_row - ar_row).max()),
+            "explained": bool(tree_row.argmax() == b and ar_row.argmax() == a)}
+
+
 def speculative(backend: TorchBackend, prompt: list[int], ref: list[int], depth: int,
-                rng: np.random.Generator) -> tuple[list[int], list[float], int, int]:
+                rng: np.random.Generator) -> tuple[list[int], list[float], int, int, dict | None]:
     s = backend.open_session()
     s.sync(prompt)
     out, times, steps, accepted = [], [], 0, 0
@@ -71,13 +93,18 @@ def speculative(backend: TorchBackend, prompt: list[int], ref: list[int], depth:
         t0 = time.perf_counter()
         r = s.verify(tree, GREEDY, steps)
         times.append(time.perf_counter() - t0)
+        before = len(out)
         out += r.tokens
         steps += 1
         accepted += len(r.path)
-        if out[:len(ref)] != ref[:len(out)]:
-            break  # diverged: stop here, report where
+        if out[:len(ref)] != ref[:len(out)]:  # diverged: the deciding node's row from this very step
+            j = next(i for i, (a, b) in enumerate(zip(out, ref)) if a != b)
+            deciding = ([0, *r.path])[j - before]
+            tree_row = row_at(backend, 0, deciding)
+            s.close()
+            return out[:len(ref)], times, steps, accepted, explain(backend, prompt, ref, out, j, tree_row)
     s.close()
-    return out[:len(ref)], times, steps, accepted
+    return out[:len(ref)], times, steps, accepted, None
 
 
 def main() -> int:
@@ -97,14 +124,14 @@ def main() -> int:
     rows = []
     for i, prompt in enumerate(prompts):
         ref, margins, t_ar = target_only(backend, prompt, args.tokens)
-        got, t_spec, steps, accepted = speculative(backend, prompt, ref, args.depth, rng)
+        got, t_spec, steps, accepted, why = speculative(backend, prompt, ref, args.depth, rng)
         first = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), None)
         row = {"prompt": i, "prompt_tokens": len(prompt), "tokens": len(ref), "equal": got == ref,
                "first_divergence": first, "margin_there": None if first is None else margins[first],
                "smallest_margin": min(margins), "spec_steps": steps, "accepted": accepted,
                "tau": len(got) / max(1, steps),
                "ar_step_ms": 1000 * statistics.median(t_ar[1:]), "spec_step_ms": 1000 * statistics.median(t_spec[1:]),
-               "ref_head": ref[:12]}
+               "ref_head": ref[:12], "divergence": why}
         rows.append(row)
         print("[real]", json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     result = {"model": str(args.model), "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",

@@ -207,6 +207,7 @@ class Engine:
         self.fused = bool(fused)
         model.fused_ops = self.fused
         self._static: dict[tuple, _Static] = {}
+        self._last: _Static | None = None
         self._pool = None
         self.stats = {"steps": 0, "captures": 0, "replays": 0, "host_decided": 0}
 
@@ -308,6 +309,7 @@ class Engine:
         st = self._buffers(B, T, NB)
         self._pack(st, steps, B, T, NB, bs)
         out = self._run(st, (B, T, NB, mode), mode).cpu().numpy()
+        self._last = st
         self.stats["steps"] += 1
         decisions = []
         for b, s in enumerate(steps):
@@ -321,6 +323,12 @@ class Engine:
             s.seq.length += 1 + len(d.path)
             s.seq.trim()
         return decisions
+
+    def last_logits(self) -> torch.Tensor | None:
+        """The float32 logits [B, T, vocab] of the most recent verify step, exactly as its decisions
+        saw them (the step's static output: valid until the next step of the same bucket). For
+        explaining a divergence with the verifier's own numbers."""
+        return None if self._last is None else self._last.logits
 
     def _buffers(self, B: int, T: int, NB: int) -> _Static:
         key = (B, T, NB)

@@ -5,6 +5,7 @@ and version it.
     .venv/bin/python tools/distill.py --logs LOG_DIR [LOG_DIR ...] --draft draft --out ADAPTERS_DIR \\
         [--eval-logs HELD_OUT_DIR ...] [--steps 200] [--rank 8] [--alpha 16] [--targets q_proj,v_proj] \\
         [--lr 1e-3] [--max-len 512] [--depth 4] [--parent current|none|VERSION] [--threads N]
+    .venv/bin/python tools/distill.py --evaluate VERSION --eval-logs HELD_OUT_DIR --draft draft --out ADAPTERS_DIR
 
 Data: `edgespec verifier serve --log-dir` (edgespec/verifier/steplog.py) records, per verified
 step, the target's top-k log-probs at every position that decided a committed token. A
@@ -368,9 +369,38 @@ def run(args: argparse.Namespace) -> dict:
     return entry
 
 
+def reevaluate(args: argparse.Namespace) -> dict:
+    """Measure an existing version on (new) held-out logs, the base draft alongside, and record
+    it in the manifest (`heldout`), e.g. once logs of prompts it never saw exist."""
+    from safetensors.torch import load_file
+
+    out_dir = Path(args.out)
+    manifest = read_manifest(out_dir)
+    entry = next((a for a in manifest["adapters"] if a["version"] == args.evaluate), None)
+    if entry is None:
+        raise SystemExit(f"version {args.evaluate} is not in {out_dir / MANIFEST}")
+    held = load_examples(args.eval_logs)
+    if not held:
+        raise SystemExit("--evaluate needs --eval-logs with at least one conversation")
+    draft = modelstore.resolve(args.draft, fetch_missing=False, progress=False) \
+        if not Path(args.draft).is_file() else Path(args.draft)
+    train_cfg = entry["train"]
+    model = add_lora(load_draft(draft, args.threads), train_cfg["rank"], train_cfg["alpha"], train_cfg["targets"])
+    model.load_state_dict(load_file(str(out_dir / entry["weights"])), strict=False)
+    with model.disable_adapter():
+        before = evaluate(model, held, args.depth, args.max_len)
+    after = evaluate(model, held, args.depth, args.max_len)
+    entry["heldout"] = {"before": before, "after": after, "source": "eval-logs",
+                        "logs": [str(p) for p in args.eval_logs], "data_hash": data_hash(held)}
+    write_manifest(out_dir, manifest)
+    return entry
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--logs", nargs="+", required=True, help="step-log directories (verifier serve --log-dir)")
+    ap.add_argument("--logs", nargs="+", default=[], help="step-log directories (verifier serve --log-dir)")
+    ap.add_argument("--evaluate", type=int, default=None, metavar="VERSION",
+                    help="no training: measure this version (and the base) on --eval-logs, record it in the manifest")
     ap.add_argument("--eval-logs", nargs="*", default=[], help="held-out step logs (default: split --logs)")
     ap.add_argument("--holdout", type=float, default=0.2, help="held-out fraction when there are no --eval-logs")
     ap.add_argument("--draft", default="draft", help="draft GGUF: manifest name, role alias or path")
@@ -389,7 +419,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    entry = run(parse_args(argv))
+    args = parse_args(argv)
+    if args.evaluate is None and not args.logs:
+        raise SystemExit("--logs is required (or --evaluate VERSION --eval-logs DIR)")
+    entry = reevaluate(args) if args.evaluate is not None else run(args)
     print(json.dumps({k: entry[k] for k in ("version", "parent", "file", "heldout", "train")}, indent=2))
     return 0
 

@@ -26,7 +26,7 @@ def test_churn_leaves_pool_threads_and_fds_where_they_started(smol_path):
         assert srv.stop() == 0, "".join(srv.stderr)[-3000:]
     print(report)
     assert sum(report["per_kind"].values()) == 300
-    assert set(report["per_kind"]) == {"clean", "cancel", "drop", "open-only", "refused"}, report["per_kind"]
+    assert {"clean", "cancel", "drop", "open-only", "refused"} <= set(report["per_kind"]), report["per_kind"]
     assert report["leaks"] == [], report
     after, base = report["after"], report["baseline"]
     assert after["fds"] <= base["fds"], (base, after)

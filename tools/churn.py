@@ -13,6 +13,9 @@ the baseline (Info counters, /proc threads, fds, RSS), then N sessions, each one
   open-only  Open, then the channel closed
   refused    a wrong token (UNAUTHENTICATED)
 
+(A Sync that finds every KV slot busy with another request is answered RESOURCE_EXHAUSTED by
+design; such sessions are counted as "busy".)
+
 and compares the counters once every stream has ended. Exit 0 when nothing leaked. The test
 (tests/test_memory_churn.py) runs a few hundred sessions through `churn()`.
 """
@@ -60,6 +63,8 @@ def one_session(srv: ServerProcess, fingerprint: str, kind: str, rng: random.Ran
             return kind
         context = rng.choice(prefixes) + [rng.randrange(100, 20000) for _ in range(rng.randint(0, 4))]
         reply = s.ask(wire.sync_message(context), timeout_s=120)
+        if isinstance(reply, grpc.RpcError) and reply.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return "busy"   # every KV slot had a request in flight (more clients than slots): by design
         assert not isinstance(reply, Exception) and reply.WhichOneof("kind") == "synced", reply
         tree = TokenTree.chain(context[-1], [rng.randrange(100, 20000) for _ in range(rng.randint(0, 2))])
         msg = wire.verify_message(tree, SamplingParams(), 0, context_length=len(context))
@@ -72,7 +77,7 @@ def one_session(srv: ServerProcess, fingerprint: str, kind: str, rng: random.Ran
             return kind
         if rng.random() < 0.3:
             reply = s.ask(msg, timeout_s=120)
-            assert reply.WhichOneof("kind") == "verified", reply
+            assert reply.WhichOneof("kind") in ("verified", "resync_required"), reply   # (evicted meanwhile)
         s.close()
         end = s._in.get(timeout=120)
         assert end == "end", end

@@ -93,7 +93,8 @@ class FailoverVerifier:
                  sync_deadline_s: float | None = None, probe_interval_s: float = 2.0, failure_threshold: int = 1,
                  on_switch: Callable[[SwitchEvent], None] | None = None,
                  stats: Callable[[], Any] | None = None, connect_now: bool = True,
-                 revive: Callable[[], str] | None = None, local_first: bool = False) -> None:
+                 revive: Callable[[], str] | None = None, local_first: bool = False,
+                 link: Link | None = None) -> None:
         """Connect to the verifier at `address` (Open) unless connect_now=False.
 
         local: a factory of the local verifier (e.g. LocalFallback), called on the first local
@@ -111,6 +112,8 @@ class FailoverVerifier:
             a new port); an exception counts as a failed probe.
         local_first: a verifier that cannot be reached yet is not an error: verify locally and
             attach it once the probe finds it (needs a fallback).
+        link: the remote side to use instead of a Link to `address` (a FleetLink, edge/fleet.py,
+            which moves the session between replicas itself and fails here only when all do).
         """
         for name, value in (("failure_threshold", failure_threshold), ("probe_interval_s", probe_interval_s)):
             if value <= 0:
@@ -133,8 +136,8 @@ class FailoverVerifier:
         # probe reads it to warm up a re-attached verifier before the next step needs it.
         self._context: Sequence[int] = ()
 
-        self.link = Link(address, token, tls, tokenizer_hash=tokenizer_hash, model_id=model_id,
-                         client_name=client_name, server_name=server_name, timeout_s=self.attach_timeout_s)
+        self.link = link or Link(address, token, tls, tokenizer_hash=tokenizer_hash, model_id=model_id,
+                                 client_name=client_name, server_name=server_name, timeout_s=self.attach_timeout_s)
         self.local = LocalSide(local, no_local_reason)
         self.breaker = CircuitBreaker(failure_threshold)
         self.switches = SwitchLog(on_switch)

@@ -102,7 +102,7 @@ class EdgeSession:
                  target_threads: int | None = None, draft_gpu_layers: int | None = None,
                  target_gpu_layers: int | None = None, local_first: bool = False, lookup: bool = False,
                  experts: Sequence[Expert] = (), privacy: str | Masker | None = None, strict: bool = False,
-                 pii_entities: Sequence[str] | None = None) -> None:
+                 pii_entities: Sequence[str] | None = None, session_id: str | None = None) -> None:
         """Draft with `draft`; verify against `target` (manifest names, role aliases or GGUF paths).
 
         Where verification runs:
@@ -113,6 +113,10 @@ class EdgeSession:
           loopback with the target model, and stopped by `close()`.
         A ready-made verifier object (the decoder's protocol: sync(context), verify(context, tree, ...),
         close(); see edgespec/edge/decoder.py) is used as given.
+        A fleet of replicas, `verifier="h1:port,h2:port"` or `"fleet:NAME:PORT"` (every DNS record of
+        NAME), is routed at the edge (edgespec/edge/fleet.py): sticky by rendezvous hashing of
+        `session_id` (default: random per session), least-loaded placement, and a move with resync
+        to another replica when this one fails.
 
         Fallback (remote and bundled modes; edgespec/edge/failover.py): the link is wrapped in a
         FailoverVerifier. A step the verifier does not answer within `deadline_s` (default 10 s;
@@ -225,12 +229,23 @@ class EdgeSession:
                     fallback_target, no_local = LocalFallback.for_target(
                         target, tokenizer_hash=fingerprint, config=target_config,
                         max_depth=max(32, *(s.max_depth for s in shapes)), n_gpu_layers=target_gpu_layers)
+                fleet_link, revive = None, None if self._embedded is None else self._embedded.ensure_running
+                from edgespec.edge.fleet import is_fleet_spec
+                if is_fleet_spec(address):
+                    import uuid
+
+                    from edgespec.edge.fleet import Fleet, FleetLink
+                    fleet_link = FleetLink(
+                        Fleet.shared(address, token=token or os.environ.get("EDGESPEC_TOKEN"), tls=tls),
+                        session_id or uuid.uuid4().hex, tokenizer_hash=fingerprint,
+                        model_id=expected_model_id(target), client_name="edgespec EdgeSession")
+                    address, revive = fleet_link.address, fleet_link.revive
                 verifier = FailoverVerifier(
                     address, token=token or os.environ.get("EDGESPEC_TOKEN"), tls=tls, tokenizer_hash=fingerprint,
                     model_id=expected_model_id(target), client_name="edgespec EdgeSession", local=fallback_target,
                     no_local_reason=no_local, deadline_s=deadline_s, probe_interval_s=probe_interval_s,
                     failure_threshold=failure_threshold, on_switch=on_switch, stats=lambda: self.stats,
-                    revive=None if self._embedded is None else self._embedded.ensure_running, local_first=local_first)
+                    revive=revive, local_first=local_first, link=fleet_link)
             except BaseException:
                 if self._embedded is not None:
                     self._embedded.stop()

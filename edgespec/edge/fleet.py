@@ -1,0 +1,403 @@
+"""Routing edge sessions over a fleet of verifier replicas: sticky, least-loaded, failover by resync.
+
+    fleet = Fleet.shared("gpu1:50051,gpu2:50051")          # or "fleet:verifier.ns.svc:50051" (DNS)
+    link = FleetLink(fleet, session_id, tokenizer_hash=..., model_id=...)   # a drop-in for Link
+    EdgeSession(verifier="gpu1:50051,gpu2:50051")          # the same, through the session
+
+Why the edge routes, not an ingress: a session is ONE bidirectional gRPC stream, and the replica at
+its other end holds the session's KV cache. An L7 balancer (Envoy, an ingress controller, Ray
+Serve's proxy) balances per call, not per message, so it can only pin the whole stream; it cannot
+move a session when load shifts, cannot bring a session back to the replica that still holds its
+prefix after a reconnect, and Ray Serve's proxies do not carry client-streaming gRPC at all. So the
+fleet publishes its replica list (a comma list, or a DNS name with one record per replica: a
+Kubernetes headless Service, see deploy/k8s/) and the edge chooses:
+
+- Sticky by consistent hashing: the replicas are ranked by rendezvous (highest-random-weight)
+  hashing of (session id, replica address). The same session id always ranks the replicas the same
+  way, whichever edge process asks and whenever, so a reconnecting robot returns to the replica that
+  kept its KV as a prefix cache; adding or removing a replica moves only the sessions that ranked it
+  first. A session keeps its replica for as long as that replica works.
+- Least-loaded among the first `choices` (default 2) of that ranking ("power of two choices"): load
+  = open streams (the replica's Info) + sessions this edge placed there since + the replica's queue
+  time over its compute time as the edge's sessions observed them (Verified.queue_ms/compute_ms).
+  Two choices keep placement nearly as balanced as a global minimum while a session id still has
+  only two possible homes.
+- Failover by resync: a failure of the current replica (broken stream, refused connection, a full
+  replica) marks it dead for `dead_s`, and the SAME call continues on the next replica of the
+  ranking within the same deadline: Link.attach there (Open + Sync of the caller's committed
+  context), then the verify. The decoder owns the committed context and passes it to every call,
+  and the failed attempt returned nothing, so no token is lost or duplicated: the step is verified
+  again, against exactly that context, on the new replica. Only when every replica fails does the
+  error reach FailoverVerifier, whose local fallback and probe (through `revive`) take over.
+"""
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence, TypeVar
+
+from edgespec.common import wire
+from edgespec.common.acceptance import VerifyResult
+from edgespec.common.errors import VerifierConfigError, VerifierUnavailableError
+from edgespec.common.sampling import SamplingParams
+from edgespec.common.tree import TokenTree
+from edgespec.edge.first_contact import check_address, is_refusal
+from edgespec.edge.link import CLIENT_ERRORS, Deadline, Link, LinkStats, make_channel
+from edgespec.v1 import edgespec_pb2 as pb
+from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+DNS_PREFIX = "fleet:"
+
+
+def is_fleet_spec(spec: str | None) -> bool:
+    """A fleet: several comma-separated HOST:PORTs, or `fleet:NAME:PORT` (every DNS record of NAME)."""
+    return isinstance(spec, str) and ("," in spec or spec.startswith(DNS_PREFIX))
+
+
+def parse_fleet(spec: str) -> tuple[list[str], str | None]:
+    """(static addresses, DNS name:port or None)."""
+    if spec.startswith(DNS_PREFIX):
+        target = spec[len(DNS_PREFIX):].removeprefix("//")
+        check_address(target)
+        return [], target
+    addresses = [a.strip() for a in spec.split(",") if a.strip()]
+    if not addresses:
+        raise VerifierConfigError(f"no replica address in {spec!r}")
+    for a in addresses:
+        check_address(a)
+    return list(dict.fromkeys(addresses)), None
+
+
+def resolve_all(target: str) -> list[str]:
+    """Every address a DNS name resolves to (one per replica behind a headless Service)."""
+    host, _, port = target.rpartition(":")
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise VerifierUnavailableError(f"cannot resolve the fleet name {host}: {exc}") from exc
+    out = []
+    for family, _, _, _, sockaddr in infos:
+        ip = sockaddr[0]
+        out.append(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
+    return sorted(dict.fromkeys(out))
+
+
+def hrw_score(key: str, address: str) -> int:
+    """Rendezvous hash weight of (session, replica)."""
+    return int.from_bytes(hashlib.blake2b(f"{key}\0{address}".encode(), digest_size=8).digest(), "big")
+
+
+@dataclass
+class Replica:
+    """What the edge knows of one replica; `load` is what placement minimises."""
+
+    address: str
+    dead_until: float = 0.0       # monotonic; failed recently, not chosen before then
+    failures: int = 0
+    last_error: str = ""
+    open_streams: int = 0         # from its last Info
+    info_at: float = -1e9
+    placed: int = 0               # sessions this edge placed here since that Info
+    sessions: int = 0             # this edge's sessions on it now
+    queue_ms: float = 0.0         # EWMA of Verified.queue_ms seen by this edge's sessions
+    compute_ms: float = 0.0       # EWMA of Verified.compute_ms
+    steps: int = 0
+
+    def alive(self, now: float | None = None) -> bool:
+        return (time.monotonic() if now is None else now) >= self.dead_until
+
+    @property
+    def load(self) -> float:
+        queued = self.queue_ms / self.compute_ms if self.compute_ms > 0 else 0.0
+        return self.open_streams + self.placed + queued
+
+
+@dataclass
+class Move:
+    """A session moved from one replica to another (or was first placed: `old` empty)."""
+
+    at: float                     # wall clock
+    old: str
+    new: str
+    reason: str
+
+
+class Fleet:
+    """The replicas one edge process routes over (shared by its sessions: `Fleet.shared`)."""
+
+    _shared: dict[tuple, "Fleet"] = {}
+    _shared_lock = threading.Lock()
+
+    def __init__(self, spec: str, *, token: str | None = None, tls: None | bool | str | Path = None,
+                 server_name: str | None = None, choices: int = 2, dead_s: float = 5.0,
+                 info_timeout_s: float = 1.0, info_max_age_s: float = 2.0, resolve_interval_s: float = 30.0) -> None:
+        self.spec = spec
+        self._static, self._dns = parse_fleet(spec)
+        self.token, self.tls, self.server_name = token, tls, server_name
+        self.choices = max(1, int(choices))
+        self.dead_s, self.info_timeout_s, self.info_max_age_s = dead_s, info_timeout_s, info_max_age_s
+        self.resolve_interval_s = resolve_interval_s
+        self._lock = threading.RLock()
+        self._replicas: dict[str, Replica] = {}
+        self._resolved_at = -1e9
+        self._metadata = [(wire.AUTH_KEY, f"Bearer {token}")] if token else []
+        self._refresh_list(force=True)
+
+    @classmethod
+    def shared(cls, spec: str, **kwargs) -> "Fleet":
+        """One Fleet per (spec, token, tls) in this process, so concurrent sessions see each other's placements."""
+        key = (spec, kwargs.get("token"), str(kwargs.get("tls")), kwargs.get("server_name"))
+        with cls._shared_lock:
+            fleet = cls._shared.get(key)
+            if fleet is None:
+                fleet = cls._shared[key] = cls(spec, **kwargs)
+            return fleet
+
+    # -- the replica list ------------------------------------------------------------------------
+    def _refresh_list(self, force: bool = False) -> None:
+        if self._dns is None:
+            addresses = self._static
+        else:
+            if not force and time.monotonic() - self._resolved_at < self.resolve_interval_s:
+                return
+            try:
+                addresses = resolve_all(self._dns)
+            except VerifierUnavailableError:
+                if self._replicas:  # keep the last known list through a DNS blip
+                    return
+                raise
+            self._resolved_at = time.monotonic()
+        with self._lock:
+            for a in addresses:
+                self._replicas.setdefault(a, Replica(a))
+            for a in list(self._replicas):
+                if a not in addresses and self._replicas[a].sessions == 0:
+                    del self._replicas[a]
+
+    @property
+    def replicas(self) -> list[Replica]:
+        with self._lock:
+            return list(self._replicas.values())
+
+    def replica(self, address: str) -> Replica:
+        with self._lock:
+            return self._replicas.setdefault(address, Replica(address))
+
+    def ranking(self, key: str) -> list[Replica]:
+        """Every replica in rendezvous-hash order for `key`, live ones first."""
+        self._refresh_list()
+        now = time.monotonic()
+        ranked = sorted(self.replicas, key=lambda r: hrw_score(key, r.address), reverse=True)
+        return [r for r in ranked if r.alive(now)] + [r for r in ranked if not r.alive(now)]
+
+    # -- placement ---------------------------------------------------------------------------------
+    def place(self, key: str, exclude: Sequence[str] = ()) -> Replica | None:
+        """The replica for a new (or moving) session: the least loaded of the first `choices` live
+        replicas in its ranking; None when every replica is excluded. When none is live, the
+        ranking's first not excluded one (it may be back)."""
+        ranked = [r for r in self.ranking(key) if r.address not in exclude]
+        if not ranked:
+            return None
+        live = [r for r in ranked if r.alive()][:self.choices]
+        if not live:
+            return ranked[0]
+        for r in live:
+            self._refresh_info(r)
+        with self._lock:
+            best = min(live, key=lambda r: (r.load, live.index(r)))
+            best.placed += 1
+            return best
+
+    def _refresh_info(self, r: Replica) -> None:
+        """The replica's open streams from its Info (short timeout; a failure marks it dead)."""
+        if time.monotonic() - r.info_at < self.info_max_age_s:
+            return
+        try:
+            reply = self.info(r.address, self.info_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - any failure: not a candidate for now
+            self.failed(r, exc)
+            return
+        with self._lock:
+            r.open_streams, r.placed, r.info_at = int(reply.open_streams), 0, time.monotonic()
+
+    def info(self, address: str, timeout_s: float = 5.0) -> pb.InfoReply:
+        channel = make_channel(address, self.tls, server_name=self.server_name)
+        try:
+            return pb_grpc.VerifierStub(channel).Info(pb.InfoRequest(), timeout=timeout_s, metadata=self._metadata)
+        finally:
+            channel.close()
+
+    # -- what sessions report ------------------------------------------------------------------------
+    def failed(self, r: Replica, exc: BaseException) -> None:
+        with self._lock:
+            r.failures += 1
+            r.last_error = f"{type(exc).__name__}: {exc}"[:300]
+            r.dead_until = time.monotonic() + self.dead_s
+            r.info_at = -1e9
+
+    def observe(self, r: Replica, result: VerifyResult) -> None:
+        with self._lock:
+            a = 0.2 if r.steps else 1.0
+            r.queue_ms += a * (1000 * result.queue_s - r.queue_ms)
+            r.compute_ms += a * (1000 * result.compute_s - r.compute_ms)
+            r.steps += 1
+            r.dead_until = 0.0
+
+    # -- aggregate metrics ---------------------------------------------------------------------------
+    def metrics(self, timeout_s: float = 5.0) -> dict:
+        """Every replica's Info plus what this edge saw, and fleet totals (a dead replica counts as down)."""
+        rows, totals = [], {"replicas": 0, "up": 0, "open_streams": 0, "live_sessions": 0, "max_sessions": 0,
+                            "verifies": 0, "evictions": 0, "resyncs": 0, "prefix_hits": 0}
+        for r in sorted(self.replicas, key=lambda r: r.address):
+            row = {"address": r.address, "up": False, "edge_sessions": r.sessions, "edge_failures": r.failures,
+                   "edge_queue_ms": round(r.queue_ms, 2), "edge_compute_ms": round(r.compute_ms, 2),
+                   "last_error": r.last_error}
+            try:
+                i = self.info(r.address, timeout_s)
+            except Exception as exc:  # noqa: BLE001 - reported, not raised
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            else:
+                row.update(up=True, open_streams=i.open_streams, live_sessions=i.live_sessions,
+                           max_sessions=i.max_sessions, verifies=i.verifies, evictions=i.evictions,
+                           resyncs=i.resyncs, prefix_hits=i.prefix_hits, backend=i.backend, model_id=i.model_id)
+                totals["up"] += 1
+                for k in ("open_streams", "live_sessions", "max_sessions", "verifies", "evictions", "resyncs",
+                          "prefix_hits"):
+                    totals[k] += int(row[k])
+            totals["replicas"] += 1
+            rows.append(row)
+        return {"fleet": self.spec, "totals": totals, "replicas": rows}
+
+
+def movable(exc: BaseException) -> bool:
+    """A failure of the replica (try another), not of the request or of this edge's credentials."""
+    from edgespec.edge.failover import is_failure
+
+    return is_failure(exc) and not isinstance(exc, CLIENT_ERRORS) and not is_refusal(exc)
+
+
+class FleetLink:
+    """A Link over a fleet: the same calls (sync, verify, attach, retarget, close), one replica at a
+    time, moving the session (resync of the caller's context) when its replica fails."""
+
+    def __init__(self, fleet: Fleet, key: str, *, tokenizer_hash: str, model_id: str = "",
+                 client_name: str = "edgespec", timeout_s: float = 60.0) -> None:
+        self.fleet, self.key, self.timeout_s = fleet, key, timeout_s
+        self._link_kwargs = dict(tokenizer_hash=tokenizer_hash, model_id=model_id, client_name=client_name,
+                                 server_name=fleet.server_name, timeout_s=timeout_s)
+        self._lock = threading.RLock()
+        self.stats = LinkStats()       # one for the session, whichever replica answered
+        self.moves: list[Move] = []
+        self._reached = False
+        self._closed = False
+        replica = fleet.place(key)
+        if replica is None:
+            raise VerifierConfigError(f"the fleet {fleet.spec!r} has no replica")
+        self.replica = replica
+        self._link = self._make(replica, "placed")
+
+    def _make(self, replica: Replica, reason: str) -> Link:
+        link = Link(replica.address, self.fleet.token, self.fleet.tls, **self._link_kwargs)
+        link.stats = self.stats
+        with self.fleet._lock:
+            replica.sessions += 1
+        self.moves.append(Move(time.time(), self.replica.address if self.moves else "", replica.address, reason))
+        return link
+
+    # -- Link's interface --------------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        return self._link.address
+
+    @property
+    def reached(self) -> bool:
+        return self._reached or self._link.reached
+
+    @property
+    def opened(self) -> pb.Opened | None:
+        return self._link.opened
+
+    @property
+    def server_len(self) -> int:
+        return self._link.server_len
+
+    @property
+    def attached(self) -> bool:
+        return self._link.attached
+
+    def sync(self, context: Sequence[int], deadline: Deadline | None = None) -> None:
+        deadline = deadline or Deadline(self.timeout_s, "sync")
+        self._routed(lambda link: link.sync(context, deadline), deadline)
+
+    def attach(self, context: Sequence[int] | None, deadline: Deadline) -> None:
+        self._routed(lambda link: link.attach(context, deadline), deadline)
+
+    def verify(self, context: Sequence[int], tree: TokenTree, sampling: SamplingParams, step: int,
+               deadline: Deadline | None = None) -> VerifyResult:
+        deadline = deadline or Deadline(self.timeout_s, f"step {step}")
+        result = self._routed(lambda link: link.verify(context, tree, sampling, step, deadline), deadline)
+        self.fleet.observe(self.replica, result)
+        return result
+
+    def retarget(self, address: str) -> None:
+        """Use the replica at `address` from now on (the failover probe, through `revive`)."""
+        with self._lock:
+            if address != self._link.address:
+                self._move(self.fleet.replica(address), "probe")
+
+    def revive(self) -> str:
+        """For FailoverVerifier's probe: the address to health-check and re-attach next -- the current
+        replica while it is not known dead, else the best live one of the ranking."""
+        with self._lock:
+            if self.replica.alive():
+                return self.replica.address
+        best = self.fleet.place(self.key)
+        return self.replica.address if best is None else best.address
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._link.close()
+                with self.fleet._lock:
+                    self.replica.sessions -= 1
+
+    def snapshot(self) -> dict:
+        return {"key": self.key, "replica": self.replica.address, "moves": len(self.moves) - 1,
+                "history": [m.__dict__ for m in self.moves[-8:]]}
+
+    # -- routing -------------------------------------------------------------------------------------
+    def _routed(self, op: Callable[[Link], T], deadline: Deadline) -> T:
+        """Run `op` on the current replica; on a replica failure, move to the next and run it again,
+        while the deadline lasts and replicas are left."""
+        with self._lock:
+            tried: set[str] = set()
+            while True:
+                try:
+                    result = op(self._link)
+                    self._reached = self._reached or self._link.reached
+                    return result
+                except Exception as exc:
+                    self._reached = self._reached or self._link.reached
+                    if self._closed or not movable(exc):
+                        raise
+                    tried.add(self.replica.address)
+                    self.fleet.failed(self.replica, exc)
+                    nxt = self.fleet.place(self.key, exclude=tuple(tried)) if deadline.remaining() > 0 else None
+                    if nxt is None:
+                        raise
+                    self._move(nxt, f"{self.replica.address} failed: {type(exc).__name__}: {exc}"[:300])
+
+    def _move(self, replica: Replica, reason: str) -> None:
+        old = self._link
+        old.close()
+        with self.fleet._lock:
+            self.replica.sessions -= 1
+        self._link = self._make(replica, reason)
+        self.replica = replica
+

@@ -97,6 +97,8 @@ def test_stop_sequence(client, greedy_text, stream):
     (dict(max_tokens=0), openai.BadRequestError, "max_tokens"),
     (dict(max_tokens=10**6), openai.BadRequestError, "max_tokens"),
     (dict(n=3), openai.BadRequestError, "n"),
+    (dict(temperature=0.7, top_p=0), openai.BadRequestError, "top_p"),
+    (dict(seed="x"), openai.BadRequestError, "seed"),
     (dict(stop=["a", "b", "c", "d", "e"]), openai.BadRequestError, "stop"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), openai.BadRequestError, "tools"),
 ])
@@ -106,6 +108,12 @@ def test_bad_requests_get_openai_errors(client, kwargs, error, param):
         client.chat.completions.create(**args)
     body = info.value.body
     assert body["param"] == param and body["message"] and body["type"]
+
+
+def test_sampled_answer(client):
+    r = client.chat.completions.create(model="edge-test", messages=PROMPT, max_tokens=6, temperature=0.8,
+                                       top_p=0.9, seed=7)
+    assert r.choices[0].message.content and 0 < r.usage.completion_tokens <= 6
 
 
 def test_malformed_bodies_and_paths(daemon, client):

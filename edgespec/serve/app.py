@@ -209,18 +209,17 @@ def parse_chat(body: Any, cfg: Any) -> tuple[list[dict[str, str]], Params, bool,
     for name in UNSUPPORTED:
         if body.get(name) not in (None, [], False):
             raise APIError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
-    n = _number(body, "n", 1, 1, 1, integer=True)
-    del n
+    _number(body, "n", 1, 1, 1, integer=True)   # one choice per request
     limit = cfg.get("serve.max_tokens_limit")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _number({name: max_tokens}, name, 1, limit, cfg.get("serve.max_tokens"), integer=True)
     temperature = _number(body, "temperature", 0, 2, 0.0)
     top_p = _number(body, "top_p", 0, 1, 1.0)
-    if top_p == 0:
-        top_p = 1.0 if temperature == 0 else top_p
-        if top_p == 0:
-            raise APIError(400, "'top_p' must be > 0", param="top_p", code="invalid_value")
+    if top_p == 0:   # greedy ignores it; sampling needs some probability mass
+        if temperature > 0:
+            raise APIError(400, "'top_p' must be > 0 when sampling", param="top_p", code="invalid_value")
+        top_p = 1.0
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise APIError(400, f"'seed' must be an integer, got {seed!r}", param="seed", code="invalid_type")

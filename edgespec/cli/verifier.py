@@ -3,6 +3,7 @@
   edgespec verifier serve [--model NAME|PATH] [--host H] [--port P] [--token T] [--tls-cert C --tls-key K]
                           [--backend llama|torch] [--device cpu|cuda] [--dtype float32|bfloat16]
   edgespec verifier info ADDRESS [--token T] [--tls | --tls-ca FILE]
+  edgespec verifier info H1:P,H2:P | fleet:NAME:PORT    # a fleet: every replica and totals
 
 `serve` prints one machine-readable line to stdout once it accepts connections,
 
@@ -121,6 +122,11 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     token = args.token or os.environ.get("EDGESPEC_TOKEN") or None
     tls = args.tls_ca or (True if args.tls else None)
+    from edgespec.edge.fleet import Fleet, is_fleet_spec
+
+    if is_fleet_spec(args.address):  # a fleet: every replica's Info and the totals (edge/fleet.py)
+        print(json.dumps(Fleet(args.address, token=token, tls=tls).metrics(args.timeout_s), indent=2))
+        return 0
     channel = make_channel(args.address, tls=tls)
     try:
         md = [(wire.AUTH_KEY, f"Bearer {token}")] if token else []

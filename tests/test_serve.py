@@ -1,7 +1,7 @@
 """`edgespec serve` through the official openai client against a real daemon process.
 
-One daemon (SmolLM2 as draft and target, local verification: greedy output is deterministic) is
-shared by the module; a second one with an API key and no queue checks 401 and 429.
+One daemon (SmolLM2 as draft and target, local verification, a fixed chain: greedy output is
+deterministic) is shared by the module; a second one with an API key and no queue checks 401 and 429.
 """
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ PROMPT = [{"role": "user", "content": "List three colours, one per line."}]
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    d = DaemonProcess(config='[edge]\ndraft = "test"\ntarget = "test"\nlocal = true\n[serve]\nmodel_name = "edge-test"\n',
+    # a fixed chain, not the planner: the same batch shapes every run, so greedy answers compare exactly
+    d = DaemonProcess(config='[edge]\ndraft = "test"\ntarget = "test"\nlocal = true\nchain = 3\n'
+                             '[serve]\nmodel_name = "edge-test"\n',
                       tmp=tmp_path_factory.mktemp("serve"), env={"EDGESPEC_SERVE_MAX_TOKENS": "12"})
     yield d
     assert d.stop() == 0, "".join(d.stderr)
@@ -241,5 +243,29 @@ def test_pii_masking_counts_per_request_vault():
         assert 'edgespec_edge_pii_entities_masked_total{entity="EMAIL"} 2.0' in text, \
             [line for line in text.splitlines() if "pii" in line]
         assert "example.com" not in text and "ann.lee" not in "".join(d.stderr)
+    finally:
+        assert d.stop() == 0, "".join(d.stderr)
+
+
+def test_two_sessions_answer_in_parallel():
+    """serve.sessions = 2: two model copies, each on its own thread, the same answers as one."""
+    d = DaemonProcess("--draft", "test", "--target", "test", "--local", "--chain", "3", "--sessions", "2")
+    try:
+        assert httpx.get(d.url + "/health", timeout=30).json()["sessions"] == 2
+        prompts = [[{"role": "user", "content": f"Name a fruit that is {c}."}] for c in ("red", "yellow")]
+        expected = [d.client().chat.completions.create(model="edgespec", messages=p, max_tokens=6)
+                    .choices[0].message.content for p in prompts]
+        got: dict[int, str] = {}
+
+        def ask(i: int) -> None:
+            got[i] = d.client().chat.completions.create(model="edgespec", messages=prompts[i],
+                                                        max_tokens=6).choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert [got.get(0), got.get(1)] == expected
     finally:
         assert d.stop() == 0, "".join(d.stderr)

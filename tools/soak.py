@@ -76,7 +76,8 @@ def emit(**kw):
 
 session = EdgeSession(args["model"], args["model"], verifier=args["address"], n_ctx=args["n_ctx"],
                       tree=TreeShape(*args["shape"]), deadline_s=args["deadline_s"],
-                      probe_interval_s=args["probe_s"], on_switch=lambda e: emit(kind="switch", event=e.as_dict()))
+                      probe_interval_s=args["probe_s"], on_switch=lambda e: emit(kind="switch", event=e.as_dict()),
+                      local_first=args["local_first"])
 session.decoder.pipelined = False   # trees from the context alone: a seeded sampled turn is reproducible
 inner, turn_key, n_turns = session.decoder.run, [None], 0
 
@@ -169,7 +170,10 @@ class Edge:
     def start(self) -> None:
         self.incarnation += 1
         args = dict(self.base, conversation=self.saved["conversation"], history=self.saved["history"],
-                    incarnation=f"{self.index}.{self.incarnation}")
+                    incarnation=f"{self.index}.{self.incarnation}",
+                    # a restarted edge may come up during an outage: it starts locally and attaches the
+                    # verifier once it answers (a first start must reach it: a configuration check)
+                    local_first=self.incarnation > 1)
         self.stderr = []
         self.proc = netlab.run_in(self.ns, [sys.executable, "-c", EDGE, json.dumps(args)], stdin=subprocess.DEVNULL,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -287,7 +291,11 @@ class Soak:
                     if not self.wait_steps(2 * a.edges, timeout_s=300):
                         raise RuntimeError("the edges made no progress: " + " | ".join(
                             "".join(e.stderr)[-1500:] for e in self.edges))
+                    budget_end = t0 + a.max_minutes * 60 if getattr(a, "max_minutes", None) else None
                     for i in range(a.faults):
+                        if budget_end is not None and time.monotonic() > budget_end:
+                            self.log(f"time budget of {a.max_minutes} min spent after {i} faults")
+                            break
                         kind = self.rng.choice(KINDS)
                         gap = self.rng.randint(2, 6)
                         if not self.wait_steps(gap):
@@ -314,6 +322,8 @@ class Soak:
                         os.kill(self.verifier.pid, signal.SIGCONT)
                         self.verifier.kill()
         soak_s = time.monotonic() - t0
+        self.log(f"fault phase done: {sum(self.faults.values())} faults in {soak_s:.0f} s, "
+                 f"{sum(len(e.completed) for e in self.edges)} turns to check; {dict(self.faults)}")
         return self.report(soak_s)
 
     # -- faults ---------------------------------------------------------------------------------
@@ -391,14 +401,19 @@ class Soak:
         model = LlamaModel(self.model)
         violations: list[str] = []
         failed: list[dict] = []
+        verdicts: dict = {}
         explained = greedy_equal = sampled_equal = 0
         tie_positions: list[list[int]] = []
         sampled_diff: list[str] = []
         refs: dict = {}
         local = None
         n_tokens = 0
+        checked = 0
         for e in self.edges:
             for t in e.completed:
+                checked += 1
+                if checked % 10 == 0:
+                    self.log(f"checked {checked} turns")
                 label = f"edge {e.index} turn {t.key}"
                 out = t.tokens
                 n_tokens += len(out)
@@ -422,13 +437,19 @@ class Soak:
                     if candidate == refs[key][:len(candidate)]:
                         greedy_equal += 1
                         continue
-                    try:
-                        ties = assert_targets_choices(model, t.prompt, candidate, label)
-                        explained += 1
-                        tie_positions.append(ties)
-                    except AssertionError as exc:
+                    verdict_key = (key, tuple(candidate))   # the same turn, the same output: checked once
+                    if verdict_key not in verdicts:
+                        try:
+                            verdicts[verdict_key] = assert_targets_choices(model, t.prompt, candidate, label)
+                        except AssertionError as exc:
+                            verdicts[verdict_key] = f"not the target's greedy output: {str(exc)[:300]}"
+                    verdict = verdicts[verdict_key]
+                    if isinstance(verdict, str):
                         failed.append({"label": label, "prompt": t.prompt, "out": out, "ref": refs[key]})
-                        violations.append(f"{label}: not the target's greedy output: {str(exc)[:300]}")
+                        violations.append(f"{label}: {verdict}")
+                    else:
+                        explained += 1
+                        tie_positions.append(verdict)
                 else:
                     key = (json.dumps(t.messages), t.seed)
                     if key not in refs:
@@ -475,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--edges", type=int, default=3, help="edge sessions; every third one samples (temperature 0.8)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--model", default="test", help="draft and target (default: the SmolLM2 test model)")
+    ap.add_argument("--max-minutes", type=float, default=None,
+                    help="stop injecting faults after this long (the run then finishes its turns and reports)")
     ap.add_argument("--out", type=Path, default=None, help="write the report (with the fault log) as JSON")
     args = ap.parse_args(argv)
     ok, why = netlab.netns_available()

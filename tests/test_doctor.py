@@ -66,7 +66,7 @@ def test_healthy_device_exits_0():
         ntp.close()
     assert code == 0, (findings, err)
     checks = by_check(findings)
-    assert set(checks) == {"config", "models", "cpu", "verifier", "clock", "disk"}
+    assert set(checks) == {"config", "models", "cpu", "privacy", "verifier", "clock", "disk"}
     assert all(f["status"] == "ok" for f in findings), findings
     assert "SERVING" in checks["verifier"][0]["message"]
     assert "sha256" in checks["models"][0]["message"]
@@ -127,3 +127,11 @@ def test_human_output_says_what_to_fix(tmp_path):
                         "--local", "--ntp-server", "none"], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 1
     assert "FAIL  models" in r.stdout and "fix: set edge.draft" in r.stdout and "problem(s)" in r.stdout
+
+
+def test_privacy_analyzer_check():
+    code, findings, err = doctor("--local", "--draft", "test", "--target", "test", "--privacy", "presidio",
+                                 "--ntp-server", "none")
+    privacy = by_check(findings)["privacy"][0]
+    assert privacy["status"] == "ok" and "masks a test address" in privacy["message"], (privacy, err)
+    assert code == 0

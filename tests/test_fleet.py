@@ -107,3 +107,39 @@ def test_replica_sigkill_moves_the_session_losslessly(smol_path, smol_model, ref
         session.close()
         for s in servers:
             s.stop()
+
+
+def test_directory_url_lists_replicas_and_is_reread(replicas):
+    """A fleet published as an HTTP replica directory (what edgespec/verifier/fleet_ray.py serves):
+    read at start, and read again when every known replica has failed (a replaced replica has a new
+    address)."""
+    import http.server
+    import json
+    import threading
+
+    listed = {"replicas": [replicas[0].address]}
+
+    class Directory(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = json.dumps(listed).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # quiet
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Directory)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/replicas"
+        assert is_fleet_spec(url)
+        fleet = Fleet(url)
+        assert [r.address for r in fleet.replicas] == [replicas[0].address]
+        assert fleet.place("robot-7").address == replicas[0].address
+        listed["replicas"] = [replicas[1].address]      # the directory now lists a replacement
+        fleet.failed(fleet.replica(replicas[0].address), RuntimeError("gone"))
+        assert fleet.place("robot-7").address == replicas[1].address
+    finally:
+        httpd.shutdown()

@@ -55,12 +55,15 @@ DNS_PREFIX = "fleet:"
 
 
 def is_fleet_spec(spec: str | None) -> bool:
-    """A fleet: several comma-separated HOST:PORTs, or `fleet:NAME:PORT` (every DNS record of NAME)."""
-    return isinstance(spec, str) and ("," in spec or spec.startswith(DNS_PREFIX))
+    """A fleet: several comma-separated HOST:PORTs, `fleet:NAME:PORT` (every DNS record of NAME), or
+    `http(s)://...` (a replica directory answering {"replicas": ["host:port", ...]}: fleet_ray.py)."""
+    return isinstance(spec, str) and ("," in spec or spec.startswith((DNS_PREFIX, "http://", "https://")))
 
 
 def parse_fleet(spec: str) -> tuple[list[str], str | None]:
-    """(static addresses, DNS name:port or None)."""
+    """(static addresses, DNS name:port or directory URL, or None)."""
+    if spec.startswith(("http://", "https://")):
+        return [], spec
     if spec.startswith(DNS_PREFIX):
         target = spec[len(DNS_PREFIX):].removeprefix("//")
         check_address(target)
@@ -74,7 +77,18 @@ def parse_fleet(spec: str) -> tuple[list[str], str | None]:
 
 
 def resolve_all(target: str) -> list[str]:
-    """Every address a DNS name resolves to (one per replica behind a headless Service)."""
+    """Every address a DNS name resolves to (one per replica behind a headless Service), or the
+    replicas a directory URL lists."""
+    if target.startswith(("http://", "https://")):
+        import json
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(target, timeout=5) as reply:  # noqa: S310 - an operator's URL
+                listed = json.load(reply)["replicas"]
+        except Exception as exc:  # noqa: BLE001 - any failure: the directory cannot be read now
+            raise VerifierUnavailableError(f"cannot read the replica list at {target}: {exc}") from exc
+        return sorted(dict.fromkeys(str(a) for a in listed))
     host, _, port = target.rpartition(":")
     try:
         infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
@@ -201,6 +215,12 @@ class Fleet:
         replicas in its ranking; None when every replica is excluded. When none is live, the
         ranking's first not excluded one (it may be back)."""
         ranked = [r for r in self.ranking(key) if r.address not in exclude]
+        if self._dns is not None and not any(r.alive() for r in ranked):  # a replaced replica may be listed now
+            try:
+                self._refresh_list(force=True)
+            except VerifierUnavailableError:
+                pass
+            ranked = [r for r in self.ranking(key) if r.address not in exclude]
         if not ranked:
             return None
         live = [r for r in ranked if r.alive()][:self.choices]

@@ -21,7 +21,9 @@ grpc.health.v1 with hand-encoded messages.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import socket
 import signal
 import subprocess
 import sys
@@ -35,6 +37,28 @@ SERVICE = "edgespec.v1.Verifier"
 REGISTRY = "edgespec-fleet-registry"
 NAMESPACE = "edgespec"
 STALE_S = 6.0  # a replica that has not reported for this long is not listed
+TARGET_QUEUE_MS = float(os.environ.get("EDGESPEC_FLEET_TARGET_QUEUE_MS", "50"))
+
+
+def queue_time_policy(ctx) -> tuple[int, dict]:  # noqa: ANN001 - ray.serve.config.AutoscalingContext
+    """Ray Serve autoscaling on the replicas' mean queue time per request (each replica reports it
+    from its verifier's Prometheus histogram: `record_autoscaling_stats`). Serve's own signal, its
+    count of ongoing requests, sees nothing here: the edges' streams do not go through Serve. Scale
+    up towards queue / target (at most doubling per decision), down by one below a quarter of it.
+    The target comes from $EDGESPEC_FLEET_TARGET_QUEUE_MS in the Serve controller's environment."""
+    n = ctx.current_num_replicas
+    lo, hi = ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
+    queues = list(((ctx.aggregated_metrics or {}).get("queue_ms") or {}).values())
+    if not queues:
+        return max(lo, min(hi, n)), ctx.policy_state
+    q = sum(queues) / len(queues)
+    if q > TARGET_QUEUE_MS:
+        want = min(2 * n, math.ceil(n * q / TARGET_QUEUE_MS))
+    elif q < TARGET_QUEUE_MS / 4:
+        want = n - 1
+    else:
+        want = n
+    return max(lo, min(hi, want)), ctx.policy_state
 
 
 def grpc_healthy(address: str, timeout_s: float = 3.0) -> bool:
@@ -80,8 +104,13 @@ class VerifierReplica:
     """One model copy: an `edgespec verifier serve` process this replica starts, reports and checks."""
 
     def __init__(self, python: str, model: str, serve_args: list[str], host: str = "127.0.0.1") -> None:
+        with socket.socket() as s:  # a free port for the verifier's /metrics (its queue-time histogram)
+            s.bind(("127.0.0.1", 0))
+            self.metrics_port = s.getsockname()[1]
+        self._queue_seen = (0.0, 0.0)
         cmd = [python, "-m", "edgespec", "verifier", "serve", "--model", model, "--host", host, "--port", "0",
-               "--exit-with-parent", *serve_args]
+               "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1", "--exit-with-parent",
+               *serve_args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.address = ""
@@ -112,6 +141,20 @@ class VerifierReplica:
     def get_address(self) -> str:
         return self.address
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Mean queue time per request since the last call, from the verifier's /metrics."""
+        import urllib.request
+
+        total = count = 0.0
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as reply:
+            for line in reply.read().decode().splitlines():
+                if line.startswith("edgespec_verifier_queue_seconds_sum"):
+                    total += float(line.split()[-1])
+                elif line.startswith("edgespec_verifier_queue_seconds_count"):
+                    count += float(line.split()[-1])
+        (t0, c0), self._queue_seen = self._queue_seen, (total, count)
+        return {"queue_ms": 1000 * (total - t0) / (count - c0) if count > c0 else 0.0}
+
     def __del__(self) -> None:
         self._stop.set()
         try:
@@ -135,8 +178,17 @@ class FleetDirectory:
         return {"replicas": sorted(set(fresh.values())), "count": len(fresh)}
 
 
-def build(python: str, model: str, replicas: int, serve_args: list[str]):  # noqa: ANN201 - a Serve Application
-    return FleetDirectory.bind(VerifierReplica.options(num_replicas=replicas).bind(python, model, serve_args))
+def build(python: str, model: str, replicas: int, serve_args: list[str], max_replicas: int | None = None):  # noqa: ANN201
+    """The Serve application: the directory bound to `replicas` verifier replicas, or to an autoscaled
+    deployment of `replicas`..`max_replicas` on queue time (`queue_time_policy`)."""
+    if max_replicas and max_replicas > replicas:
+        options = {"autoscaling_config": {
+            "min_replicas": replicas, "max_replicas": max_replicas, "initial_replicas": replicas,
+            "look_back_period_s": 20, "upscale_delay_s": 5, "downscale_delay_s": 120,
+            "policy": {"policy_function": queue_time_policy}}}
+    else:
+        options = {"num_replicas": replicas}
+    return FleetDirectory.bind(VerifierReplica.options(**options).bind(python, model, serve_args))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,15 +199,19 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:i], argv[i + 1:]
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="the target model (a GGUF path or manifest name)")
-    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--replicas", type=int, default=2, help="replicas (the minimum when autoscaling)")
+    ap.add_argument("--max-replicas", type=int, default=None,
+                    help="autoscale up to this many on queue time (target: --target-queue-ms)")
+    ap.add_argument("--target-queue-ms", type=float, default=TARGET_QUEUE_MS)
     ap.add_argument("--http-host", default="127.0.0.1")
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--verifier-python", default=sys.executable, help="a Python that has edgespec installed")
     ap.add_argument("--num-cpus", type=int, default=None, help="Ray's CPU count (default: the machine's)")
     args = ap.parse_args(argv)
+    os.environ["EDGESPEC_FLEET_TARGET_QUEUE_MS"] = str(args.target_queue_ms)  # for the Serve controller
     ray.init(namespace=NAMESPACE, include_dashboard=False, num_cpus=args.num_cpus, log_to_driver=False)
     serve.start(http_options={"host": args.http_host, "port": args.http_port})
-    serve.run(build(args.verifier_python, args.model, args.replicas, extra), name="edgespec-fleet",
+    serve.run(build(args.verifier_python, args.model, args.replicas, extra, args.max_replicas), name="edgespec-fleet",
               route_prefix="/replicas")
     print(f"edgespec-fleet directory on http://{args.http_host}:{args.http_port}/replicas", flush=True)
     done = threading.Event()

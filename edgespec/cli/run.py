@@ -41,7 +41,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                       help="draft pool: merge the draft model's tree with a lookup in the conversation so far")
     link = p.add_argument_group("verifier")
     where = link.add_mutually_exclusive_group()
-    where.add_argument("--verifier", metavar="HOST:PORT", help="remote verifier (default: a bundled one on loopback)")
+    where.add_argument("--verifier", metavar="HOST:PORT",
+                       help="remote verifier (default: a bundled one on loopback); a fleet routed by the edge: "
+                            "H1:P,H2:P, fleet:NAME:PORT (every DNS record) or http://DIRECTORY (deploy/README.md)")
     where.add_argument("--local", action="store_true", help="verify in-process, no gRPC")
     link.add_argument("--token", help="bearer token for the verifier (or EDGESPEC_TOKEN)")
     link.add_argument("--tls-ca", metavar="PEM", help="CA certificate to verify the verifier's TLS certificate")

@@ -98,6 +98,7 @@ def test_replica_sigkill_moves_the_session_losslessly(smol_path, smol_model, ref
         assert link.address != home and link.fleet.replica(home).failures >= 1
         fo = fo_stats(session)
         assert fo["local_steps"] == 0 and fo["mode"] == "remote" and fo["failures"] == 0, fo  # no fallback used
+        assert fo["fleet"]["replica"] == link.address and fo["fleet"]["moves"] == 1, fo["fleet"]  # in the stats
         assert session.stats.link.syncs >= 2  # the committed context was resynced to the new replica
         check_run(smol_model, session, rec, chunks, reference, "fleet sigkill")
         print(f"replica SIGKILL -> next committed token: {gap * 1000:.0f} ms "

@@ -253,7 +253,8 @@ class FailoverVerifier:
                 "abandoned": self.link.stats.abandoned, "late_answers": self.link.stats.late_answers,
                 "last_error": s.last_error, "last_probe": s.last_probe, "no_local_reason": self.local.reason,
                 "events": [e.as_dict() for e in s.events[-HISTORY:]],
-                "breaker_history": [e.as_dict() for e in self.breaker.history]}
+                "breaker_history": [e.as_dict() for e in self.breaker.history],
+                **({"fleet": self.link.snapshot()} if hasattr(self.link, "snapshot") else {})}  # a FleetLink
 
     # -- outcomes -------------------------------------------------------------------------------
     def _answered(self, side: str, step: int, result: VerifyResult) -> VerifyResult:

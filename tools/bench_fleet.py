@@ -50,7 +50,7 @@ def start_replica(model: str, n_ctx: int, threads: int) -> tuple[subprocess.Pope
 
 def run(n_replicas: int, n_sessions: int, max_tokens: int, kill: bool, model: str, n_ctx: int) -> dict:
     procs = [start_replica(model, n_ctx, 1) for _ in range(n_replicas)]
-    spec = ",".join(a for _, a in procs)
+    spec = ",".join(a for _, a in procs) + ("," if n_replicas == 1 else "")  # a fleet of one is routed the same way
     sessions = [EdgeSession(model, model, verifier=spec, n_ctx=n_ctx, tree=SHAPE, fallback=False, deadline_s=120,
                             session_id=f"bench-robot-{i}", draft_threads=1) for i in range(n_sessions)]
     times: list[list[float]] = [[] for _ in sessions]

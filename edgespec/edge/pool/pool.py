@@ -174,6 +174,7 @@ class DraftPool:
             slot.stats.seconds += draft.seconds
             parts.append((name, draft))
         expert_seconds = sum(d.seconds for _, d in parts) + load_seconds
+        parts = [p for p in parts if len(p[1].tree) > 1] or parts[:1]   # empty proposals: nothing to merge
         if len(parts) == 1:
             draft, origins = parts[0][1], [frozenset([parts[0][0]])] * len(parts[0][1].tree)
         else:

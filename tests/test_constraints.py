@@ -10,11 +10,9 @@ import numpy as np
 import pytest
 
 from edgespec.common import wire
-from edgespec.common.acceptance import VerifyResult, accept_logits, check_tree
 from edgespec.common.constraints import TokenConstraint
 from edgespec.common.errors import InvalidRequestError
 from edgespec.common.sampling import AcceptanceRule, SamplingParams, probabilities
-from edgespec.common.tree import TokenTree
 from edgespec.edge.decoder import Decoder, SessionStats
 from edgespec.edge.drafting import Drafter, TreeShape
 from tests.test_sampling_pipeline import (
@@ -24,6 +22,7 @@ from tests.test_sampling_pipeline import (
     VOCAB,
     TableDraftContext,
     TableModel,
+    TableVerifier,
     chi2_pvalue,
     logits_after,
 )
@@ -70,28 +69,9 @@ def test_from_phrases_bans_every_usual_tokenisation(smol_model) -> None:
     assert tokenize(" best in the world")[-1] in constraint.mask(ctx)
 
 
-class ConstrainedTableVerifier:
-    """The target side over the table, passing the context to acceptance as every backend does."""
-
-    def sync(self, context: list[int]) -> None:
-        pass
-
-    def verify(self, context: list[int], tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult:
-        context = list(context)
-        check_tree(tree, context, VOCAB, max_nodes=256, max_depth=64, sampling=sampling)
-        rows = np.stack([logits_after(TARGET_TABLE, context + tree.tokens[tree.path_to(n)].tolist())
-                         for n in range(len(tree))])
-        acc, margins = accept_logits(tree, sampling, step, rows.argmax(axis=1), rows.__getitem__, context)
-        return VerifyResult(path=acc.path, tokens=[*tree.tokens[acc.path].tolist(), acc.next_token], margins=margins,
-                            compute_s=0.002 + 1e-5 * len(tree), network_s=0.05, bytes_up=100 + 12 * len(tree))
-
-    def close(self) -> None:
-        pass
-
-
 def make_decoder(shape: TreeShape) -> Decoder:
     drafter = Drafter(TableModel(), context=TableDraftContext())  # type: ignore[arg-type]
-    return Decoder(drafter, ConstrainedTableVerifier(), SessionStats(), shape, lambda t: False, pipelined=False)
+    return Decoder(drafter, TableVerifier(), SessionStats(), shape, lambda t: False, pipelined=False)
 
 
 def target_only_greedy(n: int, constraint: TokenConstraint | None) -> list[int]:
@@ -175,7 +155,7 @@ def test_unmasked_verifier_fails_the_same_test() -> None:
         chi2_pvalue(counts, exact)
 
 
-class _UnmaskedVerifier(ConstrainedTableVerifier):
+class _UnmaskedVerifier(TableVerifier):
     def verify(self, context, tree, sampling, step):  # noqa: ANN001, ANN201
         import dataclasses
         return super().verify(context, tree, dataclasses.replace(sampling, constraint=None), step)

@@ -88,7 +88,8 @@ class TableModel:
 
 
 class TableVerifier:
-    """The target side: the same check/accept code every verifier backend runs, over the table."""
+    """The target side: the same check/accept code every verifier backend runs, over the table
+    (the context goes to acceptance too, for constrained sampling)."""
 
     def sync(self, context: list[int]) -> None:
         pass
@@ -98,7 +99,7 @@ class TableVerifier:
         check_tree(tree, context, VOCAB, max_nodes=256, max_depth=64, sampling=sampling)
         rows = np.stack([logits_after(TARGET_TABLE, context + tree.tokens[tree.path_to(n)].tolist())
                          for n in range(len(tree))])
-        acc, margins = accept_logits(tree, sampling, step, rows.argmax(axis=1), rows.__getitem__)
+        acc, margins = accept_logits(tree, sampling, step, rows.argmax(axis=1), rows.__getitem__, context)
         # Report the costs of a GPU verifier behind a 50 ms link (fixed cost per step, nearly free
         # nodes), so the planner chooses, and prunes, real trees rather than target-only steps.
         return VerifyResult(path=acc.path, tokens=[*tree.tokens[acc.path].tolist(), acc.next_token], margins=margins,

@@ -23,6 +23,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from tqdm import tqdm
+
 from edgespec.common.sampling import AcceptanceRule, SamplingParams
 from edgespec.edge.decoder import SessionStats
 from edgespec.edge.drafting import TreeShape
@@ -87,6 +89,8 @@ def main() -> int:
     cells: dict[tuple[float, str, str, str], SessionStats] = defaultdict(SessionStats)
     runs = [(float(t), rule) for t in args.temperatures.split(",")
             for rule in (["-"] if float(t) == 0 else args.rules.split(","))]
+    bar = tqdm(total=len(runs) * len(names) * len(prompts), unit="prompt", file=sys.stderr,
+               disable=not sys.stderr.isatty())  # a bar on a terminal; logs get the lines alone
     for temperature, rule in runs:
         for name in names:
             session.tree_shape = CONFIGS[name]
@@ -100,9 +104,10 @@ def main() -> int:
                 s = session.stats
                 for key in (category, "overall"):
                     cells[(temperature, rule, name, key)].add(s)
-                print(f"T={temperature} {rule} {name:7s} {category:15s} tau={s.tau:.2f} {s.tokens_per_second:.2f} tok/s "
-                      f"trees {s.shapes}",
-                      file=sys.stderr, flush=True)
+                bar.write(f"T={temperature} {rule} {name:7s} {category:15s} tau={s.tau:.2f} "
+                          f"{s.tokens_per_second:.2f} tok/s trees {s.shapes}", file=sys.stderr)
+                bar.update()
+    bar.close()
     session.close()
 
     if args.json:

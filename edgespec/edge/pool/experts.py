@@ -115,8 +115,24 @@ def chains_to_draft(committed: list[int], chains: list[tuple[list[int], list[flo
     return draft
 
 
+class _DrafterBacked:
+    """Experts that draft with a model `Drafter` (the base model, or the base with a LoRA adapter)."""
+
+    drafter: Drafter | None  # loaded lazily by the subclasses; set whenever propose is called
+
+    def propose(self, committed: list[int], shape: TreeShape, sampling: SamplingParams, step: int,
+                stop: Stop = None) -> Draft:
+        return self.drafter.grow(committed, shape, sampling, step, stop=stop)
+
+    def accept(self, draft: Draft, path: list[int]) -> None:
+        self.drafter.accept(draft, path)
+
+    def predict_next(self, committed: list[int]) -> int | None:
+        return self.drafter.predict_next(committed)
+
+
 @dataclass
-class ModelExpert:
+class ModelExpert(_DrafterBacked):
     """A GGUF draft model (drafting.Drafter). Built around a loaded Drafter (pinned: its owner,
     e.g. EdgeSession, frees it) or from a path, loaded when the pool first needs it."""
 
@@ -152,16 +168,6 @@ class ModelExpert:
             return self.nbytes()
         return self.path.stat().st_size + kv_bytes_estimate(self.config.n_ctx)
 
-    def propose(self, committed: list[int], shape: TreeShape, sampling: SamplingParams, step: int,
-                stop: Stop = None) -> Draft:
-        return self.drafter.grow(committed, shape, sampling, step, stop=stop)
-
-    def accept(self, draft: Draft, path: list[int]) -> None:
-        self.drafter.accept(draft, path)
-
-    def predict_next(self, committed: list[int]) -> int | None:
-        return self.drafter.predict_next(committed)
-
     def nbytes(self) -> int:
         if self.drafter is None:
             return 0
@@ -194,7 +200,7 @@ def kv_bytes_estimate(n_ctx: int) -> int:
 
 
 @dataclass
-class LoraExpert:
+class LoraExpert(_DrafterBacked):
     """A LoRA adapter on a base ModelExpert's weights (runtime/lora.py): its own KV context on the
     shared base model, so switching experts costs no reload and no re-prefill of the other's cache
     (an adapter changes every layer's output, so one KV cache cannot serve two adapters)."""
@@ -245,16 +251,6 @@ class LoraExpert:
             self.adapter = new
         self.adapter_path = None if adapter_path is None else Path(adapter_path)
         return previous
-
-    def propose(self, committed: list[int], shape: TreeShape, sampling: SamplingParams, step: int,
-                stop: Stop = None) -> Draft:
-        return self.drafter.grow(committed, shape, sampling, step, stop=stop)
-
-    def accept(self, draft: Draft, path: list[int]) -> None:
-        self.drafter.accept(draft, path)
-
-    def predict_next(self, committed: list[int]) -> int | None:
-        return self.drafter.predict_next(committed)
 
     def nbytes(self) -> int:
         """The adapter and this expert's KV cache; the base's weights count for the base expert."""

@@ -1,7 +1,13 @@
 """Shared fixtures: real models from the cache (fetched by tools/setup.sh), loaded once per run."""
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Triton kernels run in its CPU interpreter in the tests (CI has no GPU). The mode is read when a
+# kernel is defined, so it must be set before any test module imports triton, not in one of them.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from edgespec.common import modelstore
 

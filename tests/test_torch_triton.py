@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'edgespec[torch]')")
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU
+assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets the interpreter mode"
 pytest.importorskip("triton", reason="triton is not installed")
 
 from edgespec.verifier.torch.tree_attention import TorchPagedAttention, ancestor_mask  # noqa: E402

@@ -80,17 +80,24 @@ def resolve_siblings(p: np.ndarray, q_tokens: np.ndarray, q: np.ndarray, child_t
     return int(residual_rng.choice(r.size, p=r)), None
 
 
-def accept_greedy(tree: TokenTree, target_argmax: Sequence[int]) -> Acceptance:
-    """Follow the child equal to the target's argmax while there is one."""
+def follow_target(tree: TokenTree, target_token: Callable[[int], int]) -> Acceptance:
+    """Walk from the root: at each node the target picks its own token (`target_token(node)`);
+    descend while a child carries it, else that token ends the step. Greedy (argmax) and the
+    target-sample rule (a sample from p) differ only in how the target picks."""
     kids = tree.children()
     node, path = 0, []
     while True:
-        best = int(target_argmax[node])
-        nxt = next((c for c in kids[node] if tree.tokens[c] == best), None)
+        token = int(target_token(node))
+        nxt = next((c for c in kids[node] if tree.tokens[c] == token), None)
         if nxt is None:
-            return Acceptance(path, best)
+            return Acceptance(path, token)
         path.append(nxt)
         node = nxt
+
+
+def accept_greedy(tree: TokenTree, target_argmax: Sequence[int]) -> Acceptance:
+    """Follow the child equal to the target's argmax while there is one."""
+    return follow_target(tree, target_argmax.__getitem__)
 
 
 def target_sample_uniform(seed: int, step: int, node: int) -> float:
@@ -101,15 +108,8 @@ def target_sample_uniform(seed: int, step: int, node: int) -> float:
 def accept_target_sample(tree: TokenTree, target_probs: Callable[[int], np.ndarray], seed: int,
                          step: int) -> Acceptance:
     """Sample the target's token at each node (inverse CDF); descend while a child carries it."""
-    kids = tree.children()
-    node, path = 0, []
-    while True:
-        token = sample_inverse_cdf(target_probs(node), target_sample_uniform(seed, step, node))
-        nxt = next((c for c in kids[node] if tree.tokens[c] == token), None)
-        if nxt is None:
-            return Acceptance(path, token)
-        path.append(nxt)
-        node = nxt
+    return follow_target(tree, lambda node: sample_inverse_cdf(target_probs(node),
+                                                               target_sample_uniform(seed, step, node)))
 
 
 def accept_rejection(tree: TokenTree, target_probs: Callable[[int], np.ndarray], seed: int, step: int) -> Acceptance:

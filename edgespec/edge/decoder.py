@@ -202,7 +202,7 @@ class Decoder:
             q_per_node = float(draft.tree.q_tokens.shape[1])
             order = draft.order()
             draft = draft.pruned(self.planner.prune_size(draft.scores[order], draft.decodes, q_per_node,
-                                                         depths=draft.tree.depths[order]))
+                                                         depths=draft.tree.depths[order]), order)
         return draft
 
     def _draft_ahead(self, committed: list[int], draft: Draft, sampling: SamplingParams, step: int,

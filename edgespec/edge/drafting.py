@@ -32,6 +32,9 @@ from edgespec.common.tree import TokenTree
 from edgespec.runtime.llama import ContextConfig, LlamaModel, TreeContext
 
 
+_PLAIN_SOFTMAX = SamplingParams(temperature=1.0)  # greedy drafts are ranked by the draft's untempered p
+
+
 @dataclass(frozen=True)
 class TreeShape:
     """How big a tree to draft. budget counts drafted nodes (the root is extra)."""
@@ -114,9 +117,10 @@ class Draft:
         """Non-root nodes in the order pruning keeps them (see selection_order)."""
         return selection_order(self.scores, self.tree.parents, self.prefix_groups)
 
-    def pruned(self, n: int) -> "Draft":
-        """The same draft cut to its n best nodes (for a smaller step than was drafted)."""
-        keep = [0, *sorted(self.order()[:n])]
+    def pruned(self, n: int, order: list[int] | None = None) -> "Draft":
+        """The same draft cut to its n best nodes (for a smaller step than was drafted); `order`
+        is self.order() where the caller has it already."""
+        keep = [0, *sorted((self.order() if order is None else order)[:n])]
         index = {old: new for new, old in enumerate(keep)}
         t = self.tree
         tree = TokenTree(tokens=t.tokens[keep], parents=np.array([index.get(int(t.parents[i]), -1) for i in keep]),
@@ -211,7 +215,7 @@ class Drafter:
             drawn = draw_without_replacement(q, q.size, generator(sampling.seed, step, parent, Purpose.DRAFT))
             child_tokens, child_q = q_tokens[drawn], q[drawn]
         else:  # greedy / target-sample: the most probable tokens, deterministically
-            probs = probabilities(logits, sampling) if not sampling.greedy else _softmax(logits)
+            probs = probabilities(logits, _PLAIN_SOFTMAX if sampling.greedy else sampling)
             child_tokens = np.argsort(-probs, kind="stable")[: shape.branching]
             child_tokens = child_tokens[probs[child_tokens] > 0]
             child_q = probs[child_tokens]
@@ -242,8 +246,3 @@ class Drafter:
         return Draft(tree=tree, node_seq=[n.seq for n in nodes], scores=np.array([n.score for n in nodes]),
                      prefix_groups=with_q)
 
-
-def _softmax(logits: np.ndarray) -> np.ndarray:
-    z = np.asarray(logits, dtype=np.float64) - np.max(logits)
-    e = np.exp(z)
-    return e / e.sum()

@@ -104,26 +104,25 @@ class _Static:
     graph: object | None = None
 
 
-def layout(B: int, T: int, NB: int) -> dict[str, tuple[int, tuple[int, ...]]]:
-    """Offsets and shapes of each input inside the packed int64 buffer."""
-    fields = [("tokens", (B, T)), ("parents", (B, T)), ("sizes", (B,)), ("tables", (B, NB)), ("ctx", (B,)),
-              ("compact", (B,)), ("greedy", (B,)), ("top_k", (B,))]
+def _packed(fields: list[tuple[str, tuple[int, ...]]]) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Offset and shape of each field laid end to end in one flat buffer; "_size" is the total."""
     out, off = {}, 0
     for name, shape in fields:
         out[name] = (off, shape)
         off += int(np.prod(shape))
     out["_size"] = (off, ())
     return out
+
+
+def layout(B: int, T: int, NB: int) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Offsets and shapes of each input inside the packed int64 buffer."""
+    return _packed([("tokens", (B, T)), ("parents", (B, T)), ("sizes", (B,)), ("tables", (B, NB)), ("ctx", (B,)),
+                    ("compact", (B,)), ("greedy", (B,)), ("top_k", (B,))])
 
 
 def float_layout(B: int, T: int) -> dict[str, tuple[int, tuple[int, ...]]]:
-    fields = [("u", (B, T)), ("temperature", (B,)), ("top_p", (B,))]
-    out, off = {}, 0
-    for name, shape in fields:
-        out[name] = (off, shape)
-        off += int(np.prod(shape))
-    out["_size"] = (off, ())
-    return out
+    """Offsets and shapes of each input inside the packed float32 buffer."""
+    return _packed([("u", (B, T)), ("temperature", (B,)), ("top_p", (B,))])
 
 
 def _views(buf: torch.Tensor, lay: dict) -> dict[str, torch.Tensor]:

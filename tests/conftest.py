@@ -32,3 +32,14 @@ def qwen_paths():
 def qwen_models(qwen_paths):
     from edgespec.runtime.llama import LlamaModel
     return LlamaModel(qwen_paths[0]), LlamaModel(qwen_paths[1])
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread():
+    """torch at one intra-op thread for a module's tests (two stall on this 2-core machine kind)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -24,6 +24,18 @@ from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 READY = re.compile(r"^edgespec-verifier listening on (\S+)$")
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> int:
+    """SIGTERM, then SIGKILL if it has not exited within timeout_s; its exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 class ServerProcess:
     """`python -m edgespec verifier serve ARGS` with --port 0; `address` once it printed its ready line."""
 
@@ -71,14 +83,7 @@ class ServerProcess:
         return self.proc.poll() is None
 
     def stop(self, timeout_s: float = 10) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout_s)
 
     # -- clients ------------------------------------------------------------------------------
     def channel(self, token: str | None = "default", **kwargs) -> grpc.Channel:

@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+from grpc_helpers import stop_process
+
 LISTENING = re.compile(r"^edgespec-serve listening on (\S+)$")
 
 
@@ -70,14 +72,7 @@ class DaemonProcess:
                              max_retries=kwargs.pop("max_retries", 0), timeout=kwargs.pop("timeout", 300), **kwargs)
 
     def stop(self, timeout_s: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout_s)
 
     def wait_exit(self, timeout_s: float = 120) -> int:
         try:

@@ -22,12 +22,7 @@ from edgespec.verifier.torch.tree_attention import TorchPagedAttention, ancestor
 VOCAB = 512
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")

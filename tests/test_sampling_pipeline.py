@@ -132,6 +132,9 @@ def emitted_counts(decoder: Decoder, sampling: SamplingParams, runs: int) -> dic
 
 
 def _chi2(observed: np.ndarray, expected: np.ndarray) -> float:
+    impossible = expected == 0  # e.g. first tokens that top-k or a constraint rules out
+    assert observed[impossible].sum() == 0, "emitted a token the target gives probability 0"
+    observed, expected = observed[~impossible], expected[~impossible]
     small = expected < 5  # chi-square needs expected counts >= 5: pool the small cells into one
     if small.any():
         observed = np.append(observed[~small], observed[small].sum())

@@ -1,4 +1,5 @@
 """EdgeSession end to end on SmolLM2 (as its own draft: fast), local verification, and bad input."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -119,7 +120,8 @@ def alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("moment", ["importing", "loading", "first token", "mid-answer", "twice", "bundled verifier"])
+@pytest.mark.parametrize("moment", ["importing", "loading", "first token", "mid-answer", "twice", "twice while closing",
+                                    "bundled verifier"])
 def test_cli_run_ctrl_c_keeps_the_answer_and_exits_130(smol_path, busy_loops, moment):
     """Ctrl-C (SIGINT to the process group, as a terminal sends it) at several moments, under load.
 
@@ -141,17 +143,24 @@ def test_cli_run_ctrl_c_keeps_the_answer_and_exits_130(smol_path, busy_loops, mo
             first = proc.stdout.read(300 if moment == "mid-answer" else 1)   # the answer has started
             children = children_of(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)
+        early_err = ""
         if moment == "twice":
             time.sleep(0.05)
             os.killpg(proc.pid, signal.SIGINT)
+        elif moment == "twice while closing":   # the summary is out: the session closes, the interpreter exits
+            while "interrupted:" not in early_err and (line := proc.stderr.readline()):
+                early_err += line
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=60)
+        err = early_err + err
     finally:
         proc.kill()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "Exception ignored" not in err, err
     if moment in ("importing", "loading"):
         assert "interrupted" in err
-    elif moment != "twice":
+    elif not moment.startswith("twice"):
         tokens = int(err.split("interrupted: ", 1)[1].split(" tokens", 1)[0])
         assert 0 < tokens < 4000 and (first + out).strip()
     if moment == "bundled verifier":   # the verifier child went with it

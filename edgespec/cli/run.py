@@ -193,7 +193,10 @@ class CtrlC:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
+        # Once Ctrl-C was pressed the process is on its way out (exit 130): keep this handler, so a second
+        # Ctrl-C during shutdown (session close, thread joins, interpreter exit) still exits 130 at once
+        # instead of dying of SIGINT with Python's restored default handler.
+        if self._previous is not None and not self.pressed:
             signal.signal(signal.SIGINT, self._previous)
 
     def defer(self) -> None:

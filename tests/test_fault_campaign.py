@@ -16,15 +16,29 @@ token for token, near-ties excepted as in tests/lossless.py, plus a teacher-forc
 token), the decoder's committed context is the prompt plus exactly the emitted tokens (nothing
 lost, nothing duplicated), streamed chunks concatenate to the text, and switches were reported
 both ways for each fault that forced one.
+
+The fleet campaign (test_fleet_fault_campaign) runs the same edge child, in lock step, against a
+fleet of three `edgespec verifier serve` replicas routed at the edge (edgespec/edge/fleet.py),
+each replica in its own namespace on its own veth with its own relay (netlab.netns_star), and
+faults the replicas: SIGKILL of the one holding the session mid-step, its restart on the same
+port, a partition of the next one's link, a stalled (SIGSTOPped) replica. A third replica is full
+(--max-streams 1, held by another client): back-pressure. Same checks, plus: after every fault
+the session is on a live replica that is not the faulted one, never on the full one, the full
+replica's own client is unharmed, and no replica keeps a stream the moves left behind.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
+import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -36,8 +50,9 @@ for p in (str(HERE), str(HERE.parent / "tools")):
 
 import netlab  # noqa: E402
 import netrelay  # noqa: E402
-from lossless import assert_lossless, target_only_greedy  # noqa: E402
-from failover_helpers import assert_targets_choices  # noqa: E402
+from edgespec.edge.fleet import hrw_score  # noqa: E402
+from failover_helpers import check_output  # noqa: E402
+from lossless import target_only_greedy  # noqa: E402
 
 pytestmark = pytest.mark.netns
 
@@ -61,7 +76,8 @@ def emit(**kw):
 
 session = EdgeSession(args["model"], args["model"], verifier=args["address"], n_ctx=args["n_ctx"],
                       tree=TreeShape(*args["shape"]), deadline_s=args["deadline_s"],
-                      probe_interval_s=args["probe_s"], on_switch=lambda e: emit(kind="switch", event=e.as_dict()))
+                      probe_interval_s=args["probe_s"], on_switch=lambda e: emit(kind="switch", event=e.as_dict()),
+                      session_id=args.get("session_id"))
 inner, count, turn = session.decoder.run, [0], [0]
 
 def lockstep(*a, **k):
@@ -69,7 +85,7 @@ def lockstep(*a, **k):
     for tokens in inner(*a, **k):
         fo = session.stats.extra["failover"]
         emit(kind="step", n=count[0], turn=turn[0], tokens=list(tokens), mode=fo["mode"], breaker=fo["breaker"],
-             started=started)
+             started=started, replica=fo.get("fleet", {}).get("replica"))
         count[0] += 1
         if sys.stdin.readline().strip() != "go":
             raise SystemExit(3)
@@ -102,20 +118,26 @@ def drain(stream, sink: list) -> None:
         sink.append(line)
 
 
-def start_verifier(ns: str, host: str, model: Path, port: int = 0) -> tuple[subprocess.Popen, int]:
+def start_verifier(ns: str, host: str, model: Path, port: int = 0, *extra: str) -> tuple[subprocess.Popen, int]:
     proc = netlab.run_in(ns, [sys.executable, "-m", "edgespec", "verifier", "serve", "--model", str(model),
-                              "--host", host, "--port", str(port), "--n-ctx", str(N_CTX), "--exit-with-parent"],
+                              "--host", host, "--port", str(port), "--n-ctx", str(N_CTX), "--exit-with-parent",
+                              *extra],
                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     err: list[str] = []
     threading.Thread(target=drain, args=(proc.stderr, err), daemon=True).start()
-    box: list[str] = []
-    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(60)
-    line = box[0].strip() if box else ""
+    line = readline(proc.stdout, 60)
     assert line.startswith(READY_PREFIX), f"verifier did not start in {ns}: {line!r} {''.join(err)[-2000:]}"
     threading.Thread(target=drain, args=(proc.stdout, []), daemon=True).start()
     return proc, int(line.rsplit(":", 1)[1])
+
+
+def readline(stream, timeout_s: float) -> str:  # noqa: ANN001 - a text pipe
+    """The next line of a child's pipe, stripped ("" if none came within timeout_s)."""
+    box: list[str] = []
+    reader = threading.Thread(target=lambda: box.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    return box[0].strip() if box else ""
 
 
 class Edge:
@@ -202,6 +224,42 @@ def remote(msg: dict) -> bool:
     return msg["mode"] == "remote" and msg["breaker"] == "closed"
 
 
+def report(edge: Edge, marks: dict[str, tuple[int, int, float]], seconds: float) -> None:
+    """Print the switches and the phases' durations (the campaign's log)."""
+    print(f"campaign {seconds:.1f} s, {len(edge.steps)} steps, switches:")
+    for e in edge.switches:
+        print(f"  step {e['step']}: {e['from_mode']} -> {e['to_mode']} ({e['breaker']}): {e['reason'][:110]}")
+    names = list(marks)
+    print("phases: " + ", ".join(f"{a} {marks[b][2] - marks[a][2]:.1f} s / {marks[b][0] - marks[a][0]} steps"
+                                 for a, b in zip(names, names[1:])))
+
+
+def check_switches(sw: list[dict], marks: dict[str, tuple[int, int, float]], none: tuple[str, ...] = (),
+                   both_ways: tuple[str, ...] = ()) -> None:
+    """Per phase (marks: name -> (first step, switches before it, time), in order): no switch in
+    `none`, remote -> local first and local -> remote last in `both_ways`, and every switch goes
+    from the mode the last one went to."""
+    names = list(marks)
+    for name, nxt in zip(names, names[1:]):
+        got = [(e["from_mode"], e["to_mode"]) for e in sw[marks[name][1]:marks[nxt][1]]]
+        if name in none:
+            assert got == [], (name, got)
+        elif name in both_ways:
+            assert got and got[0] == ("remote", "local") and got[-1] == ("local", "remote"), (name, got)
+        assert all(a != b for a, b in got) and all(got[i][1] == got[i + 1][0] for i in range(len(got) - 1)), got
+
+
+def check_turns(edge: Edge, model, max_tokens: int) -> None:
+    """Every turn the edge reported keeps the failover invariant (failover_helpers.check_output):
+    nothing lost or duplicated, streamed chunks equal the text, the target's own greedy output."""
+    assert edge.done is not None and all("committed" in t for t in edge.turns), "a turn did not finish"
+    for turn in edge.turns:
+        out = [t for m in edge.steps if m["turn"] == turn["index"] for t in m["tokens"]]
+        reference = target_only_greedy(model, turn["prompt"], max_tokens)
+        check_output(model, turn["prompt"], out, turn["chunks"], turn["committed"], reference,
+                     f"turn {turn['index']}", max_tokens, SHAPE[1])
+
+
 def test_fault_campaign(pair, smol_path, smol_model):
     t0 = time.monotonic()
     marks: dict[str, tuple[int, int, float]] = {}  # fault -> (first step, switches before it, time)
@@ -263,19 +321,8 @@ def test_fault_campaign(pair, smol_path, smol_model):
 
     # -- switches: reported both ways, for every fault that forced one -------------------------------
     sw = edge.switches
-    print(f"campaign {campaign_s:.1f} s, {len(edge.steps)} steps, switches:")
-    for e in sw:
-        print(f"  step {e['step']}: {e['from_mode']} -> {e['to_mode']} ({e['breaker']}): {e['reason'][:110]}")
-    names = list(marks)
-    print("phases: " + ", ".join(f"{a} {marks[b][2] - marks[a][2]:.1f} s / {marks[b][0] - marks[a][0]} steps"
-                                 for a, b in zip(names, names[1:])))
-    for name, nxt in zip(names, names[1:]):
-        got = [(e["from_mode"], e["to_mode"]) for e in sw[marks[name][1]:marks[nxt][1]]]
-        if name == "delay spike":
-            assert got == [], got
-        elif name in ("stall", "partition", "sigkill"):
-            assert got and got[0] == ("remote", "local") and got[-1] == ("local", "remote"), (name, got)
-        assert all(a != b for a, b in got) and all(got[i][1] == got[i + 1][0] for i in range(len(got) - 1))
+    report(edge, marks, campaign_s)
+    check_switches(sw, marks, none=("delay spike",), both_ways=("stall", "partition", "sigkill"))
     fo = edge.done["failover"]
     # The stalled step gave up on the link at its deadline (plus drafting its tree), not when the
     # stall ended. (Its total time also holds loading the local target, which load stretches.)
@@ -289,22 +336,156 @@ def test_fault_campaign(pair, smol_path, smol_model):
     assert fo["remote_steps"] + fo["local_steps"] == edge.done["steps"] == len(edge.steps)
     assert fo["local_steps"] >= 5 and fo["remote_steps"] >= 10
 
-    # -- nothing lost, nothing duplicated, the target's own output ----------------------------------
     assert len(edge.turns) == len(PROMPTS)
-    for turn in edge.turns:
-        out = [t for m in edge.steps if m["turn"] == turn["index"] for t in m["tokens"]]
-        prompt = turn["prompt"]
-        ended = len(out) < MAX_TOKENS
-        candidate = out + [smol_model.eos] if ended else out
-        label = f"turn {turn['index']}"
-        text = b"".join(smol_model.token_bytes(t) for t in out).decode("utf-8", "replace")
-        assert "".join(turn["chunks"]) == text, label
-        committed = turn["committed"]
-        assert committed[:len(prompt) + len(candidate)] == prompt + candidate, label
-        assert len(committed) - len(prompt) - len(out) <= SHAPE[1] + 1, label
-        reference = target_only_greedy(smol_model, prompt, MAX_TOKENS)
-        assert_lossless(candidate, reference, label)
-        ties = assert_targets_choices(smol_model, prompt, candidate, label)
-        print(f"{label}: {len(out)} tokens, near-ties at {ties}")
+    check_turns(edge, smol_model, MAX_TOKENS)
     assert campaign_s < 150, campaign_s
 
+
+
+# -- the fleet campaign ------------------------------------------------------------------------------
+FLEET_MAX_TOKENS = 120
+FLEET_DEADLINE_S = 2.0
+DEAD_S = 5.0  # Fleet's dead_s: a replica that failed is not chosen again for this long
+
+# Another client holding the full replica's only stream: it must keep working through the campaign.
+SQUAT = r"""
+import sys
+from edgespec.common.sampling import SamplingParams
+from edgespec.common.tree import TokenTree
+from edgespec.edge.link import Deadline, Link
+link = Link(sys.argv[1], tokenizer_hash=sys.argv[2], timeout_s=60)
+context = [1, 2, 3, 4]
+link.sync(context, Deadline(60, "squat"))
+print("held", flush=True)
+sys.stdin.readline()
+result = link.verify(context, TokenTree.chain(context[-1], []), SamplingParams(), 0, Deadline(60, "verify"))
+print(f"verified {len(result.tokens)}", flush=True)
+link.close()
+"""
+
+
+@pytest.fixture
+def star():
+    ok, why = netlab.netns_available()
+    if not ok:
+        pytest.skip(why)
+    with netlab.netns_star(3, prefix="esfc-") as s:
+        yield s
+
+
+def fleet_streams(hub: str, spec: str) -> dict[str, int | None]:
+    """Open streams per replica, from the fleet's aggregate metrics (`edgespec verifier info` run in
+    the hub, i.e. Fleet.metrics over every replica's Info); None for a replica that did not answer."""
+    cp = subprocess.run(["ip", "netns", "exec", hub, sys.executable, "-m", "edgespec", "verifier", "info", spec,
+                         "--timeout-s", "3"], capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 0, cp.stderr[-2000:]
+    return {r["address"]: r.get("open_streams") for r in json.loads(cp.stdout)["replicas"]}
+
+
+def test_fleet_fault_campaign(star, smol_path, smol_model):
+    t0 = time.monotonic()
+    marks: dict[str, tuple[int, int, float]] = {}
+    links = star.links
+    for link in links:  # 20 Mbit/s both ways on every replica's link
+        netlab.set_rate(star.hub, mbit=20, dev=link.veth_a)
+        netlab.set_rate(link.ns_b, mbit=20)
+    extra = [("--threads", "1")] * 2 + [("--threads", "1", "--max-streams", "1")]  # replica 2 is full
+    with ThreadPoolExecutor(3) as pool:  # the replicas load their models at the same time
+        started = list(pool.map(lambda i: start_verifier(links[i].ns_b, links[i].ip_b, smol_path, 0, *extra[i]),
+                                range(3)))
+    verifiers, ports = [p for p, _ in started], [port for _, port in started]
+    with contextlib.ExitStack() as stack:
+        relays = [stack.enter_context(netrelay.RelayThread(
+            (link.ip_b, port), ("127.0.0.1", 0), thread_init=lambda: netlab.enter_netns(star.hub),
+            delay_up_ms=BASE_DELAY_MS, delay_down_ms=BASE_DELAY_MS, jitter_ms=BASE_JITTER_MS, connect_timeout_s=2,
+            seed=7 + i)) for i, (link, port) in enumerate(zip(links, ports))]
+        addrs = [f"127.0.0.1:{relay.address[1]}" for relay in relays]
+        spec = ",".join(addrs)
+
+        def ranking(key: str) -> list[int]:
+            return sorted(range(3), key=lambda i: hrw_score(key, addrs[i]), reverse=True)
+
+        # a session id that ranks the full replica last: its home and next replica have room
+        session_id = next(k for k in (f"robot-{n}" for n in itertools.count()) if ranking(k)[2] == 2)
+        home, second, full = ranking(session_id)
+        squat = netlab.run_in(star.hub, [sys.executable, "-c", SQUAT, addrs[full], smol_model.tokenizer_fingerprint()],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert readline(squat.stdout, 60) == "held"
+        edge = Edge(star.hub, {"model": str(smol_path), "address": spec, "n_ctx": N_CTX, "shape": SHAPE,
+                               "deadline_s": FLEET_DEADLINE_S, "probe_s": PROBE_S, "prompts": PROMPTS[:1],
+                               "max_tokens": FLEET_MAX_TOKENS, "session_id": session_id})
+        try:
+            def mark(name: str) -> None:
+                marks[name] = (len(edge.steps), len(edge.switches), time.monotonic())
+
+            def on(i: int):
+                return lambda m: remote(m) and m["replica"] == addrs[i]
+
+            def rest_after(t: float) -> None:  # the lock-stepped edge waits; a failed replica's dead_s runs out
+                time.sleep(max(0.0, t + DEAD_S + 0.5 - time.monotonic()))
+
+            assert all(on(home)(m) for m in edge.run(3)), edge.steps  # placed on its home, all remote
+
+            mark("sigkill")  # the replica holding the session, mid-step: the same call moves to the next
+            threading.Timer(0.05, verifiers[home].kill).start()
+            killed = time.monotonic()
+            edge.run_until(lambda m: remote(m) and m["replica"] != addrs[home], timeout_s=20, pace_s=0.1)
+            assert edge.steps[-1]["replica"] == addrs[second], edge.steps[-1]
+            verifiers[home].wait(10)
+
+            mark("restart")  # on the same port: sticky, the session stays on the replica that works
+            verifiers[home], again = start_verifier(links[home].ns_b, links[home].ip_b, smol_path, ports[home],
+                                                    *extra[home])
+            assert again == ports[home]
+            rest_after(killed)
+            assert all(on(second)(m) for m in edge.run(2)), edge.steps[-2:]
+
+            mark("partition")  # the second replica's link down: the only live replica with room is home
+            netlab.set_link(links[second].ns_b, up=False)
+            edge.run_until(lambda m: remote(m) and m["replica"] != addrs[second], timeout_s=25)
+            assert edge.steps[-1]["replica"] == addrs[home], edge.steps[-1]  # back on the restarted replica
+            netlab.set_link(links[second].ns_b, up=True)
+            rest_after(time.monotonic())
+            assert all(on(home)(m) for m in edge.run(2)), edge.steps[-2:]
+
+            mark("stall")  # home stops answering (SIGSTOP): moved to the second replica again
+            os.killpg(verifiers[home].pid, signal.SIGSTOP)
+            try:
+                edge.run_until(lambda m: remote(m) and m["replica"] != addrs[home], timeout_s=25)
+            finally:
+                os.killpg(verifiers[home].pid, signal.SIGCONT)
+            assert edge.steps[-1]["replica"] == addrs[second], edge.steps[-1]
+            mark("end")
+
+            # no stream left behind by the moves: the edge's one on `second`, the other client's on `full`
+            want = {addrs[home]: 0, addrs[second]: 1, addrs[full]: 1}
+            seen: list[dict] = []
+            assert netlab.wait_for(lambda: seen.append(fleet_streams(star.hub, spec)) or seen[-1] == want, 30, 0.5), \
+                seen[-3:]
+            squat.stdin.write("go\n")  # the full replica's own client was never disturbed
+            squat.stdin.flush()
+            assert readline(squat.stdout, 60) == "verified 1"
+            edge.finish()
+        finally:
+            for proc in (edge.proc, squat):
+                if proc.poll() is None:
+                    proc.kill()
+    campaign_s = time.monotonic() - t0
+
+    report(edge, marks, campaign_s)
+    for e in edge.done["failover"]["fleet"]["history"]:
+        print(f"  move {e['old'] or '-'} -> {e['new']}: {e['reason'][:100]}")
+    sw = edge.switches
+    check_switches(sw, marks, none=("restart",), both_ways=("partition", "stall"))
+    # back-pressure: the full replica never served the session (it was never placed there, or refused it)
+    assert not any(m["replica"] == addrs[full] for m in edge.steps if remote(m)), edge.steps
+    fo = edge.done["failover"]
+    assert fo["fleet"]["moves"] >= 3 and fo["fleet"]["replica"] == addrs[second], fo["fleet"]
+    assert fo["mode"] == "remote" and fo["breaker"] == "closed" and fo["switches"] == len(sw)
+    assert fo["remote_steps"] + fo["local_steps"] == edge.done["steps"] == len(edge.steps)
+    kill = edge.steps[marks["sigkill"][0]:marks["restart"][0]]
+    print(f"sigkill: next committed step on {edge.steps[marks['restart'][0] - 1]['replica']} after "
+          f"{len(kill)} steps ({sum(local(m) for m in kill)} local)")
+    assert len(edge.turns) == 1
+    check_turns(edge, smol_model, FLEET_MAX_TOKENS)
+    assert campaign_s < 100, campaign_s

@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from edgespec.common import modelstore
 from edgespec.common.acceptance import VerifyResult
@@ -48,6 +49,13 @@ class BackendSession(abc.ABC):
     def sync(self, tokens: list[int]) -> None:
         """Make the committed context exactly `tokens` (reusing any common prefix)."""
 
+    def sync_chunks(self, tokens: list[int]) -> Iterator[int]:
+        """sync in pieces: yields after each piece of work (the tokens done so far), so that the
+        service can let other sessions' requests run in between; the context is committed once the
+        iterator is exhausted, and is in doubt if it is abandoned. Default: one piece."""
+        self.sync(tokens)
+        yield len(tokens)
+
     @abc.abstractmethod
     def verify(self, tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult:
         """Verify `tree` (root = last committed token) and commit the accepted path + one token."""
@@ -67,11 +75,28 @@ class BackendSession(abc.ABC):
         """Free the KV state; the session is unusable afterwards."""
 
 
+@dataclass(frozen=True)
+class KVUsage:
+    """A paged KV cache's occupancy and upkeep, for the service's metrics."""
+
+    blocks: int                 # usable blocks
+    used_blocks: int
+    shared_blocks: int
+    fragmentation: float        # F = 1 - largest free run / free blocks
+    compactions: int
+    blocks_moved: int
+    compact_seconds: float
+
+
 class Backend(abc.ABC):
     info: ModelInfo
 
     @abc.abstractmethod
     def open_session(self) -> BackendSession: ...
+
+    def kv_usage(self) -> KVUsage | None:
+        """The KV cache's figures, for backends with a paged cache (None: not reported)."""
+        return None
 
     @abc.abstractmethod
     def close(self) -> None: ...

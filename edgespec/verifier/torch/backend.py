@@ -9,6 +9,10 @@ check_context, check_tree, accept_logits), so the service cannot tell them apart
 `ModelInfo.backend`. Invariant, as in the llama.cpp verifier: a session's KV sequence holds every
 committed token except the last one, which is the root of the next tree.
 
+Between steps (after each batch and each sync) the engine compacts the KV cache when its
+fragmentation index passes `compact_threshold`. A sync prefills in chunks (`sync_chunks`), so the
+service can run other sessions' verify batches between them.
+
 Prefix sharing: when a session syncs, it adopts the full blocks of the longest common prefix held
 by any other live session (system prompts, a resent conversation) instead of recomputing them.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Iterator
 
 import torch
 
@@ -31,6 +36,7 @@ from edgespec.common.tree import MAX_TREE_NODES, TokenTree
 from edgespec.verifier.backends import (
     Backend,
     BackendSession,
+    KVUsage,
     ModelInfo,
     model_identity,
 )
@@ -56,6 +62,10 @@ class TorchSession(BackendSession):
         return self.committed[:self.seq.length]
 
     def sync(self, tokens: list[int]) -> None:
+        for _ in self.sync_chunks(tokens):
+            pass
+
+    def sync_chunks(self, tokens: list[int]) -> Iterator[int]:
         b = self.backend
         check_context(tokens, b.info.vocab_size, b.info.n_ctx, b.info.max_depth)
         target = list(tokens[:-1])
@@ -72,8 +82,13 @@ class TorchSession(BackendSession):
             self.seq.share_prefix(donor.seq, shared)
         else:
             self.seq.truncate(own)
-        self.engine.prefill(self.seq, target[self.seq.length:])
+        start = self.seq.length
+        for done in self.engine.prefill_chunks(self.seq, target[start:]):
+            if start + done < len(target):
+                yield start + done
         self.committed = list(tokens)
+        self.engine.between_steps()
+        yield len(tokens)
 
     def verify(self, tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult:
         [result] = self.backend.verify_many([(self, tree, sampling, step)])
@@ -110,7 +125,8 @@ class TorchBackend(Backend):
     def __init__(self, model_path: str | os.PathLike, *, device: str = "cpu", dtype: str | None = None,
                  n_ctx: int = 4096, max_nodes: int = 128, max_depth: int = 32, max_k: int = 64,
                  max_sessions: int = 4, block_size: int = 16, threads: int | None = None,
-                 model_id: str | None = None, cuda_graphs: bool | None = None, attention: str = "auto") -> None:
+                 model_id: str | None = None, cuda_graphs: bool | None = None, attention: str = "auto",
+                 prefill_chunk: int = 256, compact_threshold: float = 0.5) -> None:
         if not 2 <= max_nodes <= MAX_TREE_NODES:
             raise ValueError(f"max_nodes must be in [2, {MAX_TREE_NODES}], got {max_nodes}")
         if n_ctx < max_depth + 2:
@@ -130,23 +146,26 @@ class TorchBackend(Backend):
         self._setup(model, model_id=model_id or mid, aliases=aliases if model_id is None else (mid, *aliases),
                     tokenizer_hash=fingerprint, n_ctx=n_ctx, max_nodes=max_nodes, max_depth=max_depth, max_k=max_k,
                     max_sessions=max_sessions, block_size=block_size, cuda_graphs=cuda_graphs, attention=attention,
-                    extra={"path": str(model_path)})
+                    prefill_chunk=prefill_chunk, compact_threshold=compact_threshold, extra={"path": str(model_path)})
 
     @classmethod
     def from_model(cls, model: TransformerLM, *, model_id: str = "random", tokenizer_hash: str = "",
                    n_ctx: int = 4096, max_nodes: int = 128, max_depth: int = 32, max_k: int = 64,
                    max_sessions: int = 4, block_size: int = 16, cuda_graphs: bool | None = None,
-                   attention: str = "auto") -> "TorchBackend":
+                   attention: str = "auto", prefill_chunk: int = 256,
+                   compact_threshold: float = 0.5) -> "TorchBackend":
         """A backend around a model already in memory (benchmarks with random weights)."""
         backend = cls.__new__(cls)
         backend._setup(model, model_id=model_id, aliases=(), tokenizer_hash=tokenizer_hash, n_ctx=n_ctx,
                        max_nodes=max_nodes, max_depth=max_depth, max_k=max_k, max_sessions=max_sessions,
-                       block_size=block_size, cuda_graphs=cuda_graphs, attention=attention, extra={})
+                       block_size=block_size, cuda_graphs=cuda_graphs, attention=attention,
+                       prefill_chunk=prefill_chunk, compact_threshold=compact_threshold, extra={})
         return backend
 
     def _setup(self, model: TransformerLM, *, model_id: str, aliases: tuple[str, ...], tokenizer_hash: str,
                n_ctx: int, max_nodes: int, max_depth: int, max_k: int, max_sessions: int, block_size: int,
-               cuda_graphs: bool | None, attention: str, extra: dict) -> None:
+               cuda_graphs: bool | None, attention: str, prefill_chunk: int, compact_threshold: float,
+               extra: dict) -> None:
         self.model = model
         blocks_per_session = -(-n_ctx // block_size)
         # Each session may hold n_ctx positions plus a tree of max_nodes in reserved slots; one spare
@@ -154,7 +173,8 @@ class TorchBackend(Backend):
         # block 0 is the null block.
         step_blocks = -(-(n_ctx + max_nodes) // block_size) + 1
         self.engine = Engine(model, num_blocks=max_sessions * (step_blocks + 1) + 1, block_size=block_size,
-                             cuda_graphs=cuda_graphs, attention=attention)
+                             cuda_graphs=cuda_graphs, attention=attention, prefill_chunk=prefill_chunk,
+                             compact_threshold=compact_threshold)
         self._sessions: set[TorchSession] = set()
         c = model.config
         dtype = next(k for k, v in DTYPES.items() if v == model.dtype)
@@ -164,7 +184,8 @@ class TorchBackend(Backend):
             kv_bytes_per_session=blocks_per_session * self.engine.cache.bytes_per_block,
             extra={**extra, "arch": c.arch, "block_size": block_size, "num_blocks": self.engine.cache.pool.num_blocks,
                    "attention": self.engine.attention, "cuda_graphs": self.engine.cuda_graphs,
-                   "fused_kernels": self.engine.fused})
+                   "fused_kernels": self.engine.fused, "prefill_chunk": prefill_chunk,
+                   "compact_threshold": compact_threshold})
 
     def open_session(self) -> TorchSession:
         return TorchSession(self)
@@ -208,7 +229,14 @@ class TorchBackend(Backend):
             for i, decision in zip(index, decisions):
                 session, tree, _, _ = requests[i]
                 results[i] = session._commit(tree, decision, elapsed)
+        self.engine.between_steps()
         return results  # type: ignore[return-value]
+
+    def kv_usage(self) -> KVUsage:
+        pool, stats = self.engine.cache.pool.stats(), self.engine.stats
+        return KVUsage(blocks=pool.num_blocks, used_blocks=pool.used, shared_blocks=pool.shared,
+                       fragmentation=self.engine.cache.pool.fragmentation(), compactions=stats["compactions"],
+                       blocks_moved=stats["blocks_moved"], compact_seconds=stats["compact_seconds"])
 
     def close(self) -> None:
         for s in list(self._sessions):

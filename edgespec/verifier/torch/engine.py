@@ -24,13 +24,16 @@ Only the accepted tokens and margins cross to the host; the logits stay on the d
 steps under the rejection rule (q on the wire), which are decided on the host from the logits rows
 with common/acceptance.py and compacted by a separate eager call.
 
+Between steps (`between_steps`, called by the backend after each batch and each sync) the cache
+is compacted when its fragmentation index passes `compact_threshold` (kv_cache.PagedKVCache.compact).
+
 On the CPU (CI) the same step function runs eagerly with the same padded shapes, so the tests
 exercise everything but the graph capture and the Triton kernel.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -39,7 +42,7 @@ from edgespec.common import acceptance
 from edgespec.common.errors import ContextOverflowError
 from edgespec.common.rng import Purpose, generator
 from edgespec.common.sampling import SamplingParams
-from edgespec.verifier.torch.kv_cache import KVSequence, PagedKVCache
+from edgespec.verifier.torch.kv_cache import Compaction, KVSequence, PagedKVCache
 from edgespec.verifier.torch.model import TransformerLM
 from edgespec.verifier.torch.tree_attention import TorchPagedAttention, ancestor_mask, chain_parents, depths
 
@@ -183,8 +186,10 @@ def slot_of(tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.T
 
 class Engine:
     def __init__(self, model: TransformerLM, *, num_blocks: int, block_size: int = 16, prefill_chunk: int = 256,
-                 cuda_graphs: bool | None = None, attention: str = "auto", fused: bool | None = None) -> None:
-        """attention: "torch" (gather + SDPA, runs anywhere), "triton" (the paged tree-attention
+                 cuda_graphs: bool | None = None, attention: str = "auto", fused: bool | None = None,
+                 compact_threshold: float = 0.5, compact_reserve: int = 16) -> None:
+        """compact_threshold: compact the cache between steps when its fragmentation F is above this
+        (1.0: never); compact_reserve: staging blocks for those copies (kv_cache.py). attention: "torch" (gather + SDPA, runs anywhere), "triton" (the paged tree-attention
         kernel; CUDA, or Triton's CPU interpreter in tests) or "auto" (triton on CUDA when it
         imports, else torch). cuda_graphs: capture each step bucket as a CUDA graph (default: on
         CUDA). fused: fused.py's Triton kernels for norms, RoPE + cache writes and SiLU (default:
@@ -192,7 +197,11 @@ class Engine:
         c = model.config
         self.model = model
         self.cache = PagedKVCache(c.n_layer, c.n_head_kv, c.head_dim, num_blocks=num_blocks,
-                                  block_size=block_size, dtype=model.dtype, device=model.device)
+                                  block_size=block_size, dtype=model.dtype, device=model.device,
+                                  compact_reserve=compact_reserve)
+        if not 0.0 <= compact_threshold <= 1.0:
+            raise ValueError(f"compact_threshold must be in [0, 1], got {compact_threshold}")
+        self.compact_threshold = compact_threshold
         self.prefill_chunk = prefill_chunk
         self.device = model.device
         is_cuda = self.device.type == "cuda"
@@ -208,7 +217,9 @@ class Engine:
         self._static: dict[tuple, _Static] = {}
         self._last: _Static | None = None
         self._pool = None
-        self.stats = {"steps": 0, "captures": 0, "replays": 0, "host_decided": 0}
+        self.stats = {"steps": 0, "captures": 0, "replays": 0, "host_decided": 0,
+                      "compactions": 0, "blocks_moved": 0, "compact_seconds": 0.0}
+        self.last_compaction: Compaction | None = None
 
     @staticmethod
     def _triton_available() -> bool:
@@ -233,14 +244,34 @@ class Engine:
     def new_sequence(self) -> KVSequence:
         return self.cache.new_sequence()
 
+    def between_steps(self) -> Compaction | None:
+        """Housekeeping no step may overlap: compact the cache if F is over the threshold."""
+        if self.compact_threshold >= 1.0 or self.cache.pool.fragmentation() <= self.compact_threshold:
+            return None
+        done = self.cache.compact()
+        self.stats["compactions"] += 1
+        self.stats["blocks_moved"] += done.moved
+        self.stats["compact_seconds"] += done.seconds
+        self.last_compaction = done
+        return done
+
     # -- prefill (eager, chunked) -------------------------------------------------------------
-    @torch.no_grad()
     def prefill(self, seq: KVSequence, tokens: Sequence[int]) -> None:
         """Append the K/V of `tokens` (committed context) in chunks; no logits are computed."""
+        for _ in self.prefill_chunks(seq, tokens):
+            pass
+
+    @torch.no_grad()
+    def prefill_chunks(self, seq: KVSequence, tokens: Sequence[int]) -> Iterator[int]:
+        """prefill, one chunk of `prefill_chunk` tokens per iteration (yields the tokens done so far), so
+        that a caller can let other work run between chunks: a long prompt then delays other sessions'
+        steps by one chunk, not by the whole prompt. seq.blocks is read afresh for every chunk, so a
+        compaction between chunks is fine."""
         for start in range(0, len(tokens), self.prefill_chunk):
             chunk = list(tokens[start:start + self.prefill_chunk])
             self._forward_eager(seq, chunk, chain_parents(len(chunk)), logits=False)
             seq.length += len(chunk)
+            yield start + len(chunk)
 
     @torch.no_grad()
     def logits(self, seq: KVSequence, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:

@@ -7,6 +7,7 @@
     seq.reserve(164); seq.trim()                                  # blocks for a step's tree, then back
     other = cache.new_sequence(); other.share_prefix(seq, 100)   # adopts the 6 full blocks
     cache.gather(layer, cache.block_tables([seq, other]))        # [2, B, nb*bs, Hkv, D]
+    cache.compact()            # between steps: free blocks as one run, every sequence's K/V unchanged
     seq.close(); other.close()
 
 Memory: `kv[layer]` is [2, num_blocks, block_size, Hkv, D] (K then V), a view of one allocation
@@ -16,9 +17,17 @@ made up front (`flat`: the same memory as [n_layer, 2, slots, Hkv, D]). Sequence
 Sharing rule (no copy-on-write machinery): only full blocks are shared, and a sequence writes only
 into its tail block, which is private whenever it is partly filled. The one case that would break
 that, truncating into the middle of a shared block, copies that one block first.
+
+Compaction (`compact`, between steps): the pool plans moves of used blocks into free ids
+(block_pool.compaction_moves), the K/V are copied through a preallocated staging buffer of
+`compact_reserve` blocks, and only then do the pool and every sequence's block table switch to the
+new ids (a shared block is one move, seen by all its owners). The reserve makes compaction need no
+memory of its own (no allocation that could fail on a full GPU), and a failure during the copies
+leaves the cache as it was: the sources are only read, the destinations were free.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
@@ -60,16 +69,32 @@ class CacheReport:
                 f"fragmentation {self.fragmentation:.3f}")
 
 
+@dataclass(frozen=True)
+class Compaction:
+    """One compaction: how much it moved and what it bought."""
+
+    moved: int                 # blocks copied (a shared block counts once)
+    seconds: float
+    fragmentation_before: float
+    fragmentation_after: float
+
+
 class PagedKVCache:
     def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, *, num_blocks: int, block_size: int = 16,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 compact_reserve: int = 16) -> None:
+        """compact_reserve: blocks of staging memory set aside for compaction (its copy chunk size)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if compact_reserve < 1:
+            raise ValueError(f"compact_reserve must be >= 1, got {compact_reserve}")
         self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.kv = torch.zeros(n_layer, 2, num_blocks, block_size, n_head_kv, head_dim, dtype=dtype, device=device)
         self.flat = self.kv.view(n_layer, 2, num_blocks * block_size, n_head_kv, head_dim)
+        self._staging = torch.empty(n_layer, 2, compact_reserve, block_size, n_head_kv, head_dim, dtype=dtype,
+                                    device=device)
         self._sequences: set[KVSequence] = set()
 
     @property
@@ -79,6 +104,11 @@ class PagedKVCache:
     @property
     def bytes_per_block(self) -> int:
         return self.kv[:, :, 0].numel() * self.kv.element_size()
+
+    @property
+    def reserve_bytes(self) -> int:
+        """Memory held for compaction's copies (allocated up front with the cache)."""
+        return self._staging.numel() * self._staging.element_size()
 
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
@@ -106,6 +136,31 @@ class PagedKVCache:
     def _copy_block(self, src: int, dst: int) -> None:
         self.kv[:, :, dst] = self.kv[:, :, src]
 
+    # -- compaction ---------------------------------------------------------------------------
+    def compact(self) -> Compaction:
+        """Make the free blocks one run (F = 0), keeping every sequence's K/V contents. Call between
+        steps only: block ids change, so no step may hold a block table across it."""
+        started = time.perf_counter()
+        before = self.pool.fragmentation()
+        moves = self.pool.compaction_moves()
+        if moves:
+            R = self._staging.shape[2]
+            src = torch.tensor([m[0] for m in moves], dtype=torch.int64)
+            dst = torch.tensor([m[1] for m in moves], dtype=torch.int64)
+            pad = -len(moves) % R          # a short last chunk repeats its last move (same bytes, same place)
+            src = torch.cat((src, src[-1:].expand(pad))).to(self.device)
+            dst = torch.cat((dst, dst[-1:].expand(pad))).to(self.device)
+            for i in range(0, src.numel(), R):
+                torch.index_select(self.kv, 2, src[i:i + R], out=self._staging)
+                self.kv.index_copy_(2, dst[i:i + R], self._staging)
+        self.pool.move(moves)      # checks every move before changing anything; with none, it only
+        if moves:                  # restarts the free list from the lowest free id
+            remap = dict(moves)
+            for seq in self._sequences:
+                seq.blocks = [remap.get(b, b) for b in seq.blocks]
+        return Compaction(moved=len(moves), seconds=time.perf_counter() - started, fragmentation_before=before,
+                          fragmentation_after=self.pool.fragmentation())
+
     # -- accounting ---------------------------------------------------------------------------
     def report(self) -> CacheReport:
         pool = self.pool.stats()
@@ -122,15 +177,7 @@ class PagedKVCache:
                            used_blocks=pool.used, shared_blocks=pool.shared, sequences=len(self._sequences),
                            tokens=sum(s.length for s in self._sequences), partial_blocks=partial,
                            empty_slots_in_partial=empty, filled_slots=sum(filled.values()),
-                           largest_free_run=self._largest_free_run())
-
-    def _largest_free_run(self) -> int:
-        best = run = 0
-        last = None
-        for b in sorted(self.pool._free):
-            run = run + 1 if last is not None and b == last + 1 else 1
-            best, last = max(best, run), b
-        return best
+                           largest_free_run=self.pool.largest_free_run())
 
 
 class KVSequence:

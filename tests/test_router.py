@@ -188,3 +188,80 @@ def test_routed_planner_drives_a_real_session_losslessly(smol_path, smol_model, 
     assert steps > 0 and snapshot["arm"] in router.arms
     router.close()
     assert (tmp_path / "router.npz").is_file()
+
+
+def test_integer_graph_embeds_like_the_shipped_graph(embedder) -> None:
+    """The rewritten graph (int8 arithmetic) points where the shipped one does, and a long text is
+    cut head and tail to max_tokens ids ([CLS] ... [SEP])."""
+    from edgespec.edge.embedding import Embedder
+
+    shipped = Embedder(integer=False)
+    assert embedder.model_id.endswith("+dqmatmul") and not shipped.model_id.endswith("+dqmatmul")
+    texts = CODE[:4] + PROSE[:4]
+    cosine = (embedder.embed(texts) * shipped.embed(texts)).sum(axis=1)
+    assert cosine.min() > 0.98, cosine
+    short = Embedder(max_tokens=16)
+    ids = short.token_ids("alpha " * 5000 + "the final instruction")
+    assert len(ids) == 16 and ids[0] == 101 and ids[-1] == 102
+    assert short.tokenizer.decode(ids).endswith("the final instruction")
+
+
+EDIT = ("Rename the variable total to running_sum in this code and show the whole code again:\n"
+        "def add_all(values):\n    total = 0\n    for v in values:\n        total = total + v\n    return total\n")
+
+
+def test_session_router_learns_persists_and_stays_lossless(smol_path, smol_model, tmp_path) -> None:
+    """EdgeSession(router=path) on real llama.cpp (SmolLM2 as draft and target): every turn drafts with
+    the arm the router picked, greedy output equals the target's own, the sampled rejection rule gets
+    the model alone, and what was learned is adopted by the next session from the same file."""
+    from lossless import assert_lossless, spec_tokens, target_only_greedy
+
+    from edgespec import EdgeSession
+    from edgespec.common.sampling import SamplingParams
+
+    state = tmp_path / "router" / "state.npz"
+    with EdgeSession(smol_path, smol_path, local=True, n_ctx=1024, router=state) as session:
+        router = session.router
+        assert set(router.arms) == {"draft", "lookup", "lookup+draft"}
+        assert session.decoder.planner is session._routed
+        for text in (EDIT, "Repeat this list exactly twice: apples, pears, plums, cherries, figs.", EDIT):
+            prompt = session.draft_model.chat_tokens([{"role": "user", "content": text}])
+            assert_lossless(spec_tokens(session, prompt, 40), target_only_greedy(smol_model, prompt, 40), "routed")
+            turn = session._routed.turn
+            assert session.pool.active == list(router.arms[turn.arm].spec.experts)
+        answer = session.chat([{"role": "user", "content": EDIT}, {"role": "assistant", "content": "def add_all"},
+                               {"role": "user", "content": "Now also rename values to numbers."}], max_tokens=24)
+        assert answer.strip()
+        session.chat("Write a haiku.", max_tokens=8, temperature=0.8, seed=1, sampling_rule="rejection")
+        assert session._routed.turn.arm == "draft"   # the rejection rule needs the model's q
+        assert SamplingParams(temperature=0.8, rule="rejection").needs_q
+        learned = {name: (arm.steps, arm.A.copy()) for name, arm in router.arms.items()}
+    assert sum(steps for steps, _ in learned.values()) > 0
+    assert state.is_file()
+
+    with EdgeSession(smol_path, smol_path, local=True, n_ctx=1024, router=state) as again:
+        for name, (steps, A) in learned.items():
+            assert again.router.arms[name].steps == steps
+            assert np.allclose(again.router.arms[name].A, A)
+
+
+def test_cli_router_flag(smol_path, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "edgespec", "run", *args], capture_output=True, text=True,
+                              timeout=300)
+
+    models = ("--local", "--draft", str(smol_path), "--target", str(smol_path), "--max-tokens", "40")
+    state = tmp_path / "state.npz"
+    # 40 tokens: past the planner's first exploring step (a CPU verifier next door: target-only
+    # otherwise), so some step drafts, the router learns, and close() saves it.
+    r = cli("Count from 1 to 40, separated by commas.", *models, "--router", str(state))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and "router: chose " in r.stderr and str(state) in r.stderr
+    assert state.is_file()
+    for bad in (["--router", str(state), "--chain", "4"], ["--router", str(tmp_path)], ["--router", " "]):
+        r = cli("Say hello.", *models, *bad)   # refused before any model loads
+        assert r.returncode == 2, (bad, r.stderr)
+        assert "--router" in r.stderr

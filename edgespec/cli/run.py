@@ -39,6 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     tree.add_argument("--chain", type=int, metavar="K", help="classic chain speculation with K drafts instead of a tree")
     tree.add_argument("--lookup", action="store_true",
                       help="draft pool: merge the draft model's tree with a lookup in the conversation so far")
+    tree.add_argument("--router", nargs="?", const="default", metavar="STATE",
+                      help="let the router choose per turn among the draft model, the lookup and both, and each "
+                           "tree, learning across runs in the STATE file (default: $EDGESPEC_HOME/router/state.npz)")
     link = p.add_argument_group("verifier")
     where = link.add_mutually_exclusive_group()
     where.add_argument("--verifier", metavar="HOST:PORT",
@@ -100,6 +103,11 @@ def run(args: argparse.Namespace) -> int:
         shape = choose_shape(args, TreeShape)
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    router = None if args.router is None else True if args.router == "default" else args.router
+    if router is not None and shape is not None:
+        raise CliError("--router chooses every tree itself; leave out --chain/--budget/--depth/--branch/--width")
+    if isinstance(router, str) and (not router.strip() or os.path.isdir(router)):
+        raise CliError(f"--router STATE must be a file path, got {router!r}")
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
     link = {}
     if args.local:
@@ -118,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     with CtrlC() as ctrl_c:
         try:
             session = EdgeSession(args.draft, args.target, tree=shape, n_ctx=args.n_ctx, lookup=args.lookup, **link,
-                                  **hardware, privacy=args.mask_pii, strict=args.pii_strict)
+                                  **hardware, privacy=args.mask_pii, strict=args.pii_strict, router=router)
         except KeyboardInterrupt:
             print("[edgespec] interrupted while starting", file=sys.stderr)
             return 130
@@ -145,6 +153,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"[edgespec] stopped: the context window of {session.n_ctx} tokens is full (prompt and answer); "
                       "pass a larger --n-ctx for longer answers", file=sys.stderr)
             print(f"[edgespec] {session.stats.summary()}", file=sys.stderr)
+            if session.router is not None:
+                turn = session.stats.extra.get("planner", {}).get("router", {}).get("arm")
+                print(f"[edgespec] router: chose {turn} for this turn; learns in {session.router.state_path}",
+                      file=sys.stderr)
             if args.json_stats:
                 s = session.stats
                 print(json.dumps(finite_json({"tokens": s.tokens, "steps": s.steps, "tau": s.tau,

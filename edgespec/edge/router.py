@@ -27,9 +27,13 @@ proposals (a lookup or template costs ~0, a draft model one decode per depth).
 What was learned persists across restarts in `$EDGESPEC_HOME/router/state.npz` (atomic replace),
 keyed by expert name and the embedding model; experts not seen before start from the prior.
 
-Cost of a decision: embedding the request dominates (about 0.25 ms per token on one quiet core,
-so the request is embedded up to `route_tokens`, and earlier turns once each, cached); scoring is
-a few microseconds per (expert, shape). tools/bench_router.py measures both.
+Cost of a decision: embedding the request dominates. It runs MiniLM's integer graph
+(embedding.integer_graph) on `route_tokens` = 16 tokens of the request (head and tail), and the
+recent turns are embedded once each and cached (EdgeSession passes the earlier user turns, so a
+turn embeds one new text): about 3-5 ms on one thread of this 2-core box, against 60 ms for 64
+tokens on the folded fp32 graph. Cutting to 16 tokens did not change what the router learns on
+the two-domain workload of tests/test_router.py (held-out margins equal at 16, 24, 32, 64
+tokens). Scoring is about 0.5 ms for 4 arms x 7 shapes. tools/bench_router.py measures both.
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Collection, Sequence
 
 import numpy as np
 
@@ -50,11 +54,13 @@ from edgespec.edge.planner import Planner, StepObservation, tree_tokens
 
 if TYPE_CHECKING:
     from edgespec.edge.embedding import Embedder
+    from edgespec.edge.pool import DraftPool
 
 STATE_VERSION = 1
 NOISE = 0.5            # std of one Bernoulli trial at most: scales the posterior of a_e(x)
 PRIOR_TRIALS = 1.0     # ridge strength: pseudo-trials per direction pulling a_e(x) to the prior
 PRIOR_ACCEPTANCE = 0.5
+ROUTE_TOKENS = 16      # tokens of each text embedded (head and tail): see "Cost of a decision" above
 RECENT_WEIGHT = 0.5    # weight of the previous turn in the context vector (halved per turn further back)
 
 
@@ -128,6 +134,21 @@ class _Arm:
             self.fixed_s = 0.8 * self.fixed_s + 0.2 * draft_s
 
 
+def pool_arms(pool: "DraftPool", seconds_per_decode: float = 0.03, cheap_seconds: float = 0.002) -> list[ArmSpec]:
+    """The options a pool offers the router: each expert alone, and each model expert under all
+    the model-free experts (merged trees; the pool skips the model on steps where the cheap tree
+    already suffices, DraftPool.skip_models_at). Costs are priors; measured costs replace them."""
+    from edgespec.edge.pool.pool import MODEL_KINDS
+
+    models = [n for n in pool.names if pool.expert(n).kind in MODEL_KINDS]
+    cheap = [n for n in pool.names if pool.expert(n).kind not in MODEL_KINDS]
+    arms = [ArmSpec(n, seconds_per_decode) for n in models]
+    arms += [ArmSpec(n, 0.0, cheap_seconds) for n in cheap]
+    arms += [ArmSpec("+".join([*cheap, m]), seconds_per_decode, cheap_seconds, members=(*cheap, m))
+             for m in models if cheap]
+    return arms
+
+
 @dataclass(frozen=True)
 class Route:
     """A turn's context: computed once per turn, reused by every step's `choose`."""
@@ -155,7 +176,7 @@ class Router:
 
     def __init__(self, arms: Sequence[ArmSpec | str], *, planner: Planner | None = None,
                  embedder: "Embedder | None" = None, state_path: str | os.PathLike | None = None,
-                 explore: float = 1.0, seed: int | None = None, route_tokens: int = 64,
+                 explore: float = 1.0, seed: int | None = None, route_tokens: int = ROUTE_TOKENS,
                  save_every: int = 32) -> None:
         if embedder is None:
             from edgespec.edge.embedding import Embedder
@@ -209,18 +230,20 @@ class Router:
 
     # -- decision -------------------------------------------------------------------------------
     def choose(self, route: Route, explore: bool = True, arm: str | None = None,
-               acceptance: float | None = None, drafting_only: bool = False) -> Choice:
+               acceptance: float | None = None, drafting_only: bool = False,
+               among: Collection[str] | None = None) -> Choice:
         """Best predicted tokens/s over every (arm, ladder shape), target-only included.
 
         arm/acceptance: score that arm alone, with that a_e(x) (a turn's draw, see RoutedPlanner);
-        drafting_only: leave target-only out (to rank arms against each other)."""
+        drafting_only: leave target-only out (to rank arms against each other); among: only these
+        arms (e.g. those that can draft under the sampled rejection rule)."""
         planner = self.planner
         a_sibling = float(planner.acceptance(np.array([0.1]))[0])
         link = [planner.step_seconds(s.budget, 0) for s in planner.ladder]  # verifier + link, no draft
         rng = self.rng if explore else None
         best: Choice | None = None
         for name, arm_state in self.arms.items():
-            if arm is not None and name != arm:
+            if (arm is not None and name != arm) or (among is not None and name not in among):
                 continue
             a = arm_state.acceptance(route.x, rng, self.explore) if acceptance is None else acceptance
             for rung, shape in enumerate(planner.ladder):
@@ -341,11 +364,12 @@ class RoutedPlanner(Planner):
         self.router, self.pool = router, pool
         self.turn: Choice | None = None
 
-    def begin_turn(self, request: str, recent: Sequence[str] = (), route: Route | None = None) -> Choice:
-        """Route the turn (embedding unless `route` is given) and fix its arm."""
+    def begin_turn(self, request: str, recent: Sequence[str] = (), route: Route | None = None,
+                   among: Collection[str] | None = None) -> Choice:
+        """Route the turn (embedding unless `route` is given) and fix its arm (one of `among`)."""
         route = route or self.router.route(request, recent)
-        self.turn = self.router.choose(route, drafting_only=True)
-        if self.pool is not None:
+        self.turn = self.router.choose(route, drafting_only=True, among=among)
+        if self.pool is not None and self.turn.arm is not None:
             self.pool.set_active(self.router.arms[self.turn.arm].spec.experts)
         return self.turn
 

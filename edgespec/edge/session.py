@@ -11,6 +11,7 @@ import dataclasses
 import os
 import secrets
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from edgespec.common import modelstore
@@ -34,8 +35,11 @@ if TYPE_CHECKING:
     from edgespec.edge.embedded import EmbeddedVerifier
     from edgespec.edge.failover import FailoverVerifier, SwitchEvent
     from edgespec.edge.pool import DraftPool, Expert
+    from edgespec.edge.router import RoutedPlanner, Router
 
 Messages = str | Sequence[dict[str, str]]
+RECENT_TURNS = 2       # earlier user turns in the router's context (embedded once each, cached)
+SKIP_MODELS_AT = 2.0   # router pools: skip the draft model on steps where the lookup promises 2 tokens
 
 
 def tree_nodes_needed(shapes: Sequence[TreeShape]) -> int:
@@ -102,7 +106,8 @@ class EdgeSession:
                  target_threads: int | None = None, draft_gpu_layers: int | None = None,
                  target_gpu_layers: int | None = None, local_first: bool = False, lookup: bool = False,
                  experts: Sequence[Expert] = (), privacy: str | Masker | None = None, strict: bool = False,
-                 pii_entities: Sequence[str] | None = None, session_id: str | None = None) -> None:
+                 pii_entities: Sequence[str] | None = None, session_id: str | None = None,
+                 router: bool | str | os.PathLike | None = None) -> None:
         """Draft with `draft`; verify against `target` (manifest names, role aliases or GGUF paths).
 
         Where verification runs:
@@ -147,6 +152,17 @@ class EdgeSession:
         at least one step's tree, and an answer stops early (finish_reason "context_full") when
         the window is full.
 
+        Router (edgespec/edge/router.py): `router=True` (state in $EDGESPEC_HOME/router/state.npz)
+        or the path of its state file adds a lookup expert to the pool and lets the router choose,
+        per turn, which of the pool's options drafts (the model, the lookup, the lookup under the
+        model) and, per step, which tree, by predicted tokens per second: the expert's acceptance
+        in this request's context (MiniLM embedding of the request and earlier user turns, learned
+        from what the verifier accepted) against its drafting cost, the round trip and the
+        verifier's cost per node (the planner's fits). What it learns is saved on close() and every
+        32 steps, and adopted by the next session with the same state file. Needs the `router`
+        extra and `edgespec models fetch router`; excludes a fixed `tree`. Lossless as any pool
+        (under the sampled rejection rule only the model drafts). `self.router` is the Router.
+
         Privacy (edgespec/edge/privacy): `privacy="presidio"` (spaCy NER + pattern recognizers) or
         `"patterns"` masks personal values in every message (system, user, history, tool output)
         before it is tokenised, so the draft drafts on masked text and only masked tokens reach the
@@ -167,6 +183,19 @@ class EdgeSession:
         self.finish_reason: str | None = None  # why the last request ended: one of FINISH_REASONS
         if local and verifier is not None:
             raise InvalidRequestError("local=True and verifier=... exclude each other")
+        # The router's parts that can fail (state path, embedding model) come before any model loads.
+        router_state, embedder = None, None
+        if router:
+            if tree is not None:
+                raise InvalidRequestError("router=... chooses every tree itself; it excludes a fixed `tree`")
+            from edgespec.edge.embedding import Embedder
+            from edgespec.edge.router import ROUTE_TOKENS, default_state_path
+
+            router_state = default_state_path() if router is True else Path(router).expanduser()
+            if router_state.is_dir():
+                raise InvalidRequestError(f"router state {router_state} is a directory; give a file path")
+            embedder = Embedder(max_tokens=ROUTE_TOKENS)
+            lookup = True
         shapes = LADDER if tree is None else (tree,)
         nodes = tree_nodes_needed(shapes)
         if n_ctx < nodes + 1:
@@ -258,9 +287,16 @@ class EdgeSession:
             from edgespec.edge.pool import DraftPool, LookupExpert, ModelExpert
 
             self.pool = DraftPool([ModelExpert.around("draft", self.drafter), *([LookupExpert()] if lookup else []),
-                                   *experts])
+                                   *experts], skip_models_at=SKIP_MODELS_AT if router else None)
         self.decoder = Decoder(self.pool or self.drafter, verifier, self.stats, tree, self.draft_model.is_end_of_generation,
                                pipelined=not local)
+        self.router: Router | None = None
+        self._routed: RoutedPlanner | None = None
+        if router:
+            from edgespec.edge.router import RoutedPlanner, Router, pool_arms
+
+            self.router = Router(pool_arms(self.pool), embedder=embedder, state_path=router_state)
+            self._routed = self.decoder.planner = RoutedPlanner(self.router, self.pool)
 
     def reset_stats(self) -> SessionStats:
         """Start counting afresh (e.g. per request); returns the statistics gathered so far."""
@@ -292,7 +328,9 @@ class EdgeSession:
         if nodes > self._max_tree_nodes:
             raise InvalidRequestError(f"tree shape {shape} needs up to {nodes} tree nodes; this session was "
                                       f"made for {self._max_tree_nodes} (pass a bigger `tree` at creation)")
-        self.decoder.shape, self.decoder.planner = shape, (Planner() if shape is None else None)
+        if shape is not None and self._routed is not None:
+            raise InvalidRequestError("this session's router chooses every tree; a fixed shape excludes it")
+        self.decoder.shape, self.decoder.planner = shape, (self._routed or Planner() if shape is None else None)
 
     @property
     def closed(self) -> bool:
@@ -327,6 +365,8 @@ class EdgeSession:
             self.verifier.close()
             if self.pool is not None:
                 self.pool.close()              # the experts it loaded; the draft model's drafter is ours
+            if self.router is not None:
+                self.router.close()            # saves what it learned
             self.drafter.close()
         finally:
             try:
@@ -419,7 +459,10 @@ class EdgeSession:
         messages = list(messages)
         if self.privacy is not None:   # everything tokenised (draft and verifier) is masked text
             messages = self.privacy.mask_messages(messages)
-        chunks = self._request(lambda: self.draft_model.chat_tokens(messages), max_tokens, sampling, as_text=True)
+        users = [m.get("content", "") for m in messages if m.get("role", "user") == "user"] or [messages[-1]["content"]]
+        turn = (users[-1], users[-2::-1][:RECENT_TURNS])   # the request, earlier user turns most recent first
+        chunks = self._request(lambda: self.draft_model.chat_tokens(messages), max_tokens, sampling, as_text=True,
+                               turn=turn)
         if self.privacy is not None:   # placeholders back to values, on this device only
             chunks = self.privacy.restore_stream(chunks)
         return chunks if stream else "".join(chunks)
@@ -439,9 +482,22 @@ class EdgeSession:
         reserve = context_reserve(LADDER if self.decoder.shape is None else (self.decoder.shape,))
         return self.n_ctx - n_prompt - reserve
 
+    def _route_turn(self, turn: tuple[str, Sequence[str]], sampling: SamplingParams) -> None:
+        """The router picks this turn's drafting option (the decoder's planner is the RoutedPlanner).
+        The sampled rejection rule needs one model's q: then only options the model drafts alone."""
+        from edgespec.edge.pool.pool import MODEL_KINDS
+
+        among = None
+        if sampling.needs_q:
+            among = [name for name, arm in self.router.arms.items()
+                     if all(self.pool.expert(e).kind in MODEL_KINDS for e in arm.spec.experts)]
+        self._routed.begin_turn(turn[0], turn[1], among=among)
+
     def _request(self, make_prompt: Callable[[], list[int]], max_tokens: int, sampling: SamplingParams,
-                 as_text: bool) -> Iterator[Any]:
+                 as_text: bool, turn: tuple[str, Sequence[str]] | None = None) -> Iterator[Any]:
         """One request: text chunks (as_text) or the token lists of each target step.
+
+        turn: (request, earlier user turns) for the router (default: the prompt's last tokens as text).
 
         Answers are capped to the room left in the context window, so drafting never runs past it;
         a verifier with a smaller window (remote) that overflows later ends the answer the same way.
@@ -459,6 +515,8 @@ class EdgeSession:
                         "or a shorter prompt")
                 limit = min(max_tokens, room)
                 text = TextStream(self.draft_model) if as_text else None
+                if self._routed is not None:   # token prompts: their last tokens as text (cut to ROUTE_TOKENS)
+                    self._route_turn(turn or (self.draft_model.detokenize(prompt[-64:]), ()), sampling)
             steps = self.decoder.run(prompt, limit, sampling)
             produced, reason = 0, None
             try:

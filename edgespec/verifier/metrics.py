@@ -1,8 +1,10 @@
 """Prometheus metrics of the verifier service: `edgespec verifier serve --metrics-port PORT`.
 
 Counts come straight from the session registry at scrape time (one source of truth, the same
-figures `Info` reports); distributions (queue and compute time, tree size, tokens per verify) are
-histograms observed by the servicer. Each server owns its own CollectorRegistry, so several
+figures `Info` reports), KV use from the backend (`Backend.kv_usage`: blocks used and shared,
+fragmentation, compactions); distributions (queue and compute time, tree size, tokens per verify)
+are histograms observed by the servicer, batch size and step time (one batched forward) by the
+batch worker. Each server owns its own CollectorRegistry, so several
 servers can live in one process (tests) without clashing.
 """
 from __future__ import annotations
@@ -30,8 +32,22 @@ class _SessionFigures:
                 ("live_sessions", "sessions holding a KV slot now", r.live_sessions),
                 ("retained_slots", "KV states of ended streams kept as a prefix cache", r.retained_slots),
                 ("kv_slots", "KV slots this verifier can hold (live + retained)", r.max_live),
-                ("queued_requests", "requests waiting for the compute worker now", r.compute_lock.queued)):
+                ("queued_requests", "requests waiting for the compute worker now",
+                 r.compute_lock.queued + (r.batcher.queued if r.batcher is not None else 0))):
             yield GaugeMetricFamily(f"edgespec_verifier_{name}", doc, value=value)
+        kv = r.backend.kv_usage()
+        if kv is not None:
+            for name, doc, value in (
+                    ("kv_blocks", "usable KV cache blocks", kv.blocks),
+                    ("kv_used_blocks", "KV blocks holding some session's context now", kv.used_blocks),
+                    ("kv_shared_blocks", "KV blocks shared by several sessions (common prefixes)", kv.shared_blocks),
+                    ("kv_fragmentation", "F = 1 - largest free run / free blocks", kv.fragmentation)):
+                yield GaugeMetricFamily(f"edgespec_verifier_{name}", doc, value=value)
+            for name, doc, value in (
+                    ("kv_compactions", "KV cache compactions (between steps, F over its threshold)", kv.compactions),
+                    ("kv_blocks_moved", "KV blocks moved by compactions", kv.blocks_moved),
+                    ("kv_compact_seconds", "time spent compacting the KV cache", kv.compact_seconds)):
+                yield CounterMetricFamily(f"edgespec_verifier_{name}", doc, value=value)
         s = r.stats
         for name, doc, value in (
                 ("syncs", "Sync requests served", s.syncs),
@@ -42,7 +58,9 @@ class _SessionFigures:
                 ("rejected_streams", "streams refused at the stream limit", s.rejected_streams),
                 ("prefix_hits", "Syncs that adopted a retained KV state", s.prefix_hits),
                 ("prefix_tokens_reused", "context tokens not prefilled thanks to the prefix cache",
-                 s.prefix_tokens_reused)):
+                 s.prefix_tokens_reused),
+                ("prefill_turns", "times a chunked Sync let queued requests run between its chunks",
+                 s.prefill_turns)):
             yield CounterMetricFamily(f"edgespec_verifier_{name}", doc, value=value)
 
 
@@ -61,6 +79,12 @@ class VerifierMetrics:
         self.tokens_per_verify = Histogram("edgespec_verifier_tokens_per_verify",
                                            "tokens committed per verified tree (accepted drafts + 1)",
                                            buckets=(1, 2, 3, 4, 5, 6, 8, 12, 16, 32), registry=self.registry)
+        self.batch_size = Histogram("edgespec_verifier_batch_size", "trees verified in one forward",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
+        self.step_seconds = Histogram("edgespec_verifier_step_seconds", "one batched verify step (checks, "
+                                      "forward, acceptance, commit)", buckets=SECONDS, registry=self.registry)
+        if sessions.batcher is not None:
+            sessions.batcher.on_batch = self.observe_batch
         self.errors = Counter("edgespec_verifier_errors", "streams ended with an error status", ["code"],
                               registry=self.registry)
         self.auth_failures = Counter("edgespec_verifier_auth_failures", "calls refused for a missing or invalid "
@@ -77,6 +101,10 @@ class VerifierMetrics:
     def observe_tree(self, nodes: int, tokens: int) -> None:
         self.tree_nodes.observe(nodes)
         self.tokens_per_verify.observe(tokens)
+
+    def observe_batch(self, size: int, seconds: float) -> None:
+        self.batch_size.observe(size)
+        self.step_seconds.observe(seconds)
 
     def serve(self, host: str, port: int) -> int:
         """Expose /metrics over HTTP; returns the port (port 0 picks a free one)."""

@@ -149,17 +149,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         bad = next((t for t in tokens if not 0 <= t < self.info.vocab_size), None)
         if bad is not None:   # checked here: a backend that already holds tokens[:-1] would skip its own check
             raise InvalidTreeError(f"context token id {bad} outside the vocabulary [0, {self.info.vocab_size})")
-        with self.registry.compute(session, received) as waited:
-            kv = self.registry.ensure_slot(session, tokens)
-            started = time.monotonic()
-            try:
-                kv.sync(tokens)
-            except BaseException:
-                self.registry.invalidate(session)  # half-synced KV must never be used
-                raise
-            session.synced = True
-            self.registry.stats.syncs += 1
-            computed = time.monotonic() - started
+        waited, computed = self.registry.sync(session, tokens, received)
         if self.metrics is not None:
             self.metrics.observe("sync", waited, computed)
         return pb.VerifierMessage(synced=pb.Synced(n_tokens=len(tokens), queue_ms=_ms(waited), compute_ms=_ms(computed)))

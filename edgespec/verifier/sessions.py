@@ -18,6 +18,10 @@
   The edge still sends its whole context; only computation is saved.
 - All model work (sync, verify, allocating and freeing KV) is serialised through one FIFO lock:
   the compute worker. The time a request waits for it is its queue time.
+- Chunked prefill: a Sync prefills in chunks (`BackendSession.sync_chunks`) and between chunks
+  hands the compute worker to whatever queued meanwhile (`FifoLock.yield_turn`): verify batches of
+  other sessions and other prefills' chunks take turns with it, so one long prompt delays every
+  other session's step by one chunk instead of the whole prompt.
 - Batching: a backend with `verify_many` (the torch backend) gets a batch worker
   (verifier/torch/batching.py): Verify requests queue, and whenever the compute worker is free one
   thread takes all queued ones (up to `max_batch`) and verifies them in one forward.
@@ -75,6 +79,17 @@ class FifoLock:
             else:
                 self._held = False
 
+    def yield_turn(self) -> float:
+        """Held by the caller: let everyone queued now go first, then take the lock back (FIFO turns
+        for long work). Returns the seconds spent waiting (0 when nobody was queued)."""
+        with self._mutex:
+            if not self._waiters:
+                return 0.0
+        started = time.monotonic()
+        self.release()
+        self.acquire()
+        return time.monotonic() - started
+
     @property
     def queued(self) -> int:
         return len(self._waiters)
@@ -114,6 +129,7 @@ class RegistryStats:
     throttled: int = 0            # requests refused by the per-client rate limit
     prefix_hits: int = 0          # Syncs that adopted a retained slot
     prefix_tokens_reused: int = 0  # context tokens those Syncs did not have to prefill
+    prefill_turns: int = 0        # times a chunked Sync handed the compute worker to queued requests
 
 
 @dataclass(frozen=True)
@@ -265,6 +281,26 @@ class SessionRegistry:
         finally:
             with self._lock:
                 session.in_flight -= 1
+
+    def sync(self, session: ServerSession, tokens: list[int], received: float) -> tuple[float, float]:
+        """Make `tokens` the session's committed context (a slot first: ensure_slot), prefilling chunk
+        by chunk with turns for queued requests in between. Returns (queue, compute) seconds: the
+        waits for the compute worker, before and between chunks, and the rest."""
+        with self.compute(session, received) as waited:
+            kv = self.ensure_slot(session, tokens)
+            started = time.monotonic()
+            turns = 0.0
+            try:
+                for done in kv.sync_chunks(tokens):
+                    if done < len(tokens) and self.compute_lock.queued:
+                        turns += self.compute_lock.yield_turn()
+                        self.stats.prefill_turns += 1
+            except BaseException:
+                self.invalidate(session)  # a half-synced KV must never be used
+                raise
+            session.synced = True
+            self.stats.syncs += 1
+            return waited + turns, time.monotonic() - started - turns
 
     # -- batched verification ---------------------------------------------------------------
     def verify_batched(self, session: ServerSession, received: float, deadline_ms: int, tree, sampling,  # noqa: ANN001

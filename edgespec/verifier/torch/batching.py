@@ -8,7 +8,8 @@ so 32 sessions cost about one batched step instead of 32 serial ones.
 `run_batch(jobs)` sets `job.result` or `job.error` for each job. The lock, when given, is the
 service's FIFO compute lock: syncs (prefills) and batches take turns in arrival order. A job whose
 deadline passed while it was queued gets `expired(job)` as its error and is not run. Each job
-records its queue time and the size of the batch it ran in (reported to the edge and in metrics).
+records its queue time and the size of the batch it ran in (reported to the edge and in metrics);
+`on_batch(size, seconds)`, when set, sees every batch's size and run time (the metrics' step time).
 No torch here: the service's registry uses it for any backend with `verify_many`.
 """
 from __future__ import annotations
@@ -55,6 +56,7 @@ class BatchWorker:
         self.lock = lock
         self.expired = expired or (lambda job: TimeoutError("the request's deadline passed while it was queued"))
         self.stats = BatchStats()
+        self.on_batch: Callable[[int, float], None] | None = None
         self._queue: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._stop = False
@@ -115,6 +117,8 @@ class BatchWorker:
                         for job in ready:
                             if job.result is None and job.error is None:
                                 job.error = exc
+                    if self.on_batch is not None:
+                        self.on_batch(len(ready), time.monotonic() - now)
             finally:
                 if self.lock is not None:
                     self.lock.release()

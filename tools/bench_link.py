@@ -23,7 +23,13 @@ Modes, all greedy, the same prompts for every mode and condition:
 - `chain4`: chain speculation, `TreeShape.chain(4)`;
 - `adaptive`: `tree=None`, the default (cost-model planner + drafting the next tree while one is
   in flight). Each link condition gets its own planner (the session's planner is swapped per
-  condition), so what it learned at one RTT does not leak into another.
+  condition), so what it learned at one RTT does not leak into another;
+- `router` (only with --modes): `EdgeSession(router=STATE)`, the router choosing per prompt among
+  the draft model, the lookup and both, and per step the tree (edge/router.py); it starts from
+  --router-state (default: a fresh state) and learns over the run's prompts and conditions.
+
+Prompts: HumanEval and Spec-Bench single-turn prompts, plus --multi-turn items of
+tools/bench_pool.py's multi-turn/agentic/editing set (message lists).
 
 Runs are ordered prompt-major (prompt -> condition -> mode), so slow drift of the (shared, noisy)
 CPU hits every mode and condition alike, and a time budget (--budget-min) that ends the run early
@@ -34,6 +40,7 @@ re-decode).
 
   .venv/bin/python tools/bench_link.py --quick                     # 1 RTT, 1 rate, 1 prompt, 16 tokens
   .venv/bin/python tools/bench_link.py --json docs/bench/link.json # full grid, table + docs/bench/link_speedup.png
+  .venv/bin/python tools/bench_link.py --rtts 50 --mbits 100 --modes ar,router --multi-turn 6  # router vs AR
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ import json
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -56,6 +64,7 @@ import netlab  # noqa: E402  (tests/netlab.py)
 from bench_wire import load_prompts, machine  # noqa: E402
 
 MODES = ("ar", "chain4", "adaptive")
+ALL_MODES = (*MODES, "router")
 
 
 @dataclass
@@ -126,18 +135,19 @@ def tbf_stats(pair: netlab.NetnsPair) -> dict:
     return out
 
 
-def make_sessions(draft: Path, target: Path, address: str, token: str, n_ctx: int):
+def make_sessions(draft: Path, target: Path, address: str, token: str, n_ctx: int,
+                  modes: tuple[str, ...] = MODES, router_state: Path | None = None):
     from edgespec.edge.drafting import TreeShape
     from edgespec.edge.session import EdgeSession
 
-    shapes = {"ar": TreeShape.target_only(), "chain4": TreeShape.chain(4), "adaptive": None}
+    shapes = {"ar": TreeShape.target_only(), "chain4": TreeShape.chain(4), "adaptive": None, "router": None}
     sessions = {}
     try:
-        for mode, shape in shapes.items():
+        for mode in modes:
             # fallback=False: a slow step must not be verified by a local copy of the target (that
             # would measure the device, not the link); the step deadline is then the link's 60 s.
-            sessions[mode] = EdgeSession(draft, target, verifier=address, token=token, tree=shape, n_ctx=n_ctx,
-                                         fallback=False)
+            sessions[mode] = EdgeSession(draft, target, verifier=address, token=token, tree=shapes[mode], n_ctx=n_ctx,
+                                         fallback=False, router=router_state if mode == "router" else None)
     except BaseException:
         for s in sessions.values():
             s.close()
@@ -174,13 +184,17 @@ def run(args: argparse.Namespace) -> dict:
     rates = [float(x) for x in args.mbits.split(",")]
     code = load_prompts(args.spec_bench, args.humaneval, 0)
     prose = load_prompts(args.spec_bench, 0, args.spec)
-    named = [p for pair in zip(code, prose) for p in pair] + code[len(prose):] + prose[len(code):]  # alternate
+    named: list = [p for pair in zip(code, prose) for p in pair] + code[len(prose):] + prose[len(code):]  # alternate
+    if args.multi_turn:
+        from bench_pool import MULTI_TURN
+        named += MULTI_TURN[:args.multi_turn]
+    modes = tuple(args.modes.split(","))
     draft, target = modelstore.resolve(args.draft), modelstore.resolve(args.target)
     conds = [(r, m) for m in rates for r in rtts]
-    cells = {(r, m, mode): Cell(r, m, mode) for (r, m) in conds for mode in MODES}
+    cells = {(r, m, mode): Cell(r, m, mode) for (r, m) in conds for mode in modes}
     meta: dict = {"machine": machine(), "command": " ".join(["python", *sys.argv]), "draft": draft.name,
                   "target": target.name, "max_tokens": args.max_tokens, "rtts_ms": rtts, "mbits": rates,
-                  "prompts": [n for n, _ in named], "tbf": {}, "relay": {}}
+                  "prompts": [n for n, _ in named], "modes": modes, "tbf": {}, "relay": {}}
     try:
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip()
@@ -209,15 +223,16 @@ def run(args: argparse.Namespace) -> dict:
             import netrelay
             # From here on this thread lives in namespace A: gRPC's threads are created here.
             with netlab.in_netns(pair.ns_a):
-                sessions = make_sessions(draft, target, edge_address, vp.token, args.n_ctx)
+                router_state = args.router_state or Path(tempfile.mkdtemp(prefix="bench-link-")) / "router.npz"
+                sessions = make_sessions(draft, target, edge_address, vp.token, args.n_ctx, modes, router_state)
                 try:
                     # gRPC shares one subchannel (TCP connection) between channels to the same
                     # address, so the three sessions may use one connection: at least one must exist.
                     meta["relay_connections"] = relay_stats(control)["connections"]
                     if meta["relay_connections"] < 1:
                         raise RuntimeError("the sessions did not connect through the relay")
-                    tokenized = [sessions["ar"].draft_model.chat_tokens([{"role": "user", "content": text}])
-                                 for _, text in named]
+                    tokenized = [sessions["ar"].draft_model.chat_tokens(
+                        [{"role": "user", "content": text}] if isinstance(text, str) else text) for _, text in named]
                     meta["prompt_tokens"] = [len(t) for t in tokenized]
                     from edgespec.edge.planner import Planner
                     planners = {c: Planner() for c in conds}
@@ -270,6 +285,8 @@ def run(args: argparse.Namespace) -> dict:
                         print("WARNING: some steps were verified locally (failover)", file=sys.stderr)
                     meta["relay"] = relay_stats(control)
                     meta["planner_final"] = {f"{r:g}ms/{m:g}Mbit": planners[(r, m)].snapshot() for (r, m) in conds}
+                    if "router" in sessions:
+                        meta["router_final"] = sessions["router"].stats.extra.get("planner", {}).get("router")
                 finally:
                     for s in sessions.values():
                         s.close()
@@ -304,7 +321,7 @@ def markdown(res: dict) -> str:
     for mbit in m["mbits"]:
         for rtt in m["rtts_ms"]:
             base = by[(rtt, mbit, "ar")]
-            for mode in MODES:
+            for mode in m.get("modes", MODES):
                 c = by[(rtt, mbit, mode)]
                 st = max(c["steps"], 1)
                 if not c["steps"]:
@@ -334,10 +351,10 @@ def plot(res: dict, path: Path) -> None:
     m = res["meta"]
     by = {(c["rtt_ms"], c["mbit"], c["mode"]): c for c in res["cells"]}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    styles = {"ar": ("k", "o"), "chain4": ("tab:blue", "s"), "adaptive": ("tab:red", "^")}
+    styles = {"ar": ("k", "o"), "chain4": ("tab:blue", "s"), "adaptive": ("tab:red", "^"), "router": ("tab:green", "D")}
     for mbit in m["mbits"]:
         ls = "-" if mbit == max(m["mbits"]) else "--"
-        for mode in MODES:
+        for mode in m.get("modes", MODES):
             color, marker = styles[mode]
             xs = [r for r in m["rtts_ms"] if by[(r, mbit, mode)]["steps"]]
             tok = [by[(r, mbit, mode)]["tok_s"] for r in xs]
@@ -382,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", type=int, default=2, help="Spec-Bench prompts (writing, math_reasoning, ...)")
     ap.add_argument("--spec-bench", type=Path, default=REPO / "tools" / "data" / "spec_bench_questions.jsonl")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(ALL_MODES)}")
+    ap.add_argument("--multi-turn", type=int, default=0, help="items of bench_pool.py's multi-turn/editing set")
+    ap.add_argument("--router-state", type=Path, help="router mode: start from (and save to) this state file")
     ap.add_argument("--n-ctx", type=int, default=2048)
     ap.add_argument("--budget-min", type=float, default=30.0,
                     help="stop starting new prompts after this many minutes (whole prompts only)")

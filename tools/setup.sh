@@ -72,6 +72,7 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
   "${PIP[@]}" install -c constraints/ci.txt "torch==2.13.0"
 fi
 
+# Its core dependencies include llguidance (grammar / JSON-schema constraints), pinned in constraints/ci.txt.
 echo "[setup] installing edgespec and its dependencies"
 "${PIP[@]}" install -c constraints/ci.txt -e ".[edge,verifier,dev,bench,torch,router,distill]"
 

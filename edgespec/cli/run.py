@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 from types import FrameType
 
 from edgespec.cli import CliError
@@ -75,8 +76,41 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="with --mask-pii: refuse to send anything when the PII analyzer fails")
     p.add_argument("--ban", action="append", default=[], metavar="PHRASE",
                    help="never write PHRASE (repeatable): masked in the draft and in the verifier alike")
+    shape_of = p.add_mutually_exclusive_group()
+    shape_of.add_argument("--json-schema", metavar="FILE", type=Path,
+                          help="the answer is JSON valid against this JSON schema (masked in the draft and in the "
+                               "verifier alike, so it is the target's own constrained answer)")
+    shape_of.add_argument("--grammar", metavar="FILE", type=Path,
+                          help="the answer matches this grammar (Lark, or llama.cpp's GBNF), masked the same way")
     p.add_argument("--json-stats", action="store_true", help="print the final stats as JSON on stderr")
     p.set_defaults(func=run)
+
+
+def response_format_of(args: argparse.Namespace) -> dict | None:
+    """--json-schema / --grammar as a chat() response_format, checked before any model loads."""
+    from edgespec.common.constraints import Grammar
+    from edgespec.common.errors import InvalidRequestError
+
+    path = args.json_schema or args.grammar
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"cannot read {path}: {exc}") from None
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(text)
+        except ValueError as exc:
+            raise CliError(f"{path} is not JSON: {exc}") from None
+        response_format = {"type": "json_schema", "json_schema": {"name": path.stem, "schema": schema}}
+    else:
+        response_format = {"type": "grammar", "grammar": text}
+    try:
+        Grammar.from_response_format(response_format)
+    except InvalidRequestError as exc:
+        raise CliError(f"{path}: {exc}") from None
+    return response_format
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"{flag} must be >= {low}, got {value}")
     if args.pii_strict and not args.mask_pii:
         raise CliError("--pii-strict needs --mask-pii")
+    response_format = response_format_of(args)
     try:
         shape = choose_shape(args, TreeShape)
     except ValueError as exc:
@@ -135,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
             if not ctrl_c.pressed:
                 chunks = session.chat(messages, stream=True, max_tokens=args.max_tokens,
                                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                      seed=args.seed, sampling_rule=args.sampling_rule, banned_phrases=args.ban)
+                                      seed=args.seed, sampling_rule=args.sampling_rule, banned_phrases=args.ban,
+                                      response_format=response_format)
                 try:
                     for chunk in chunks:
                         sys.stdout.write(chunk)

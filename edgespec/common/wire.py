@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 
 from edgespec.common import errors
-from edgespec.common.constraints import TokenConstraint
+from edgespec.common.constraints import Grammar, TokenConstraint
 from edgespec.common.errors import (
     ContextOverflowError,
     EdgespecError,
@@ -175,23 +175,30 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                             seed=params.seed & ((1 << 64) - 1), rule=_RULE_TO_WIRE[params.rule])
     if params.constraint:
-        banned = params.constraint.banned
+        banned, grammar = params.constraint.banned, params.constraint.grammar
         msg.constraint.CopyFrom(pb.TokenConstraint(tokens=pack_i32([t for seq in banned for t in seq]),
                                                    lengths=pack_i32([len(seq) for seq in banned])))
+        if grammar is not None:
+            if grammar.start < 0:
+                raise InvalidRequestError("the grammar's start position was never placed")
+            msg.constraint.grammar, msg.constraint.grammar_start = grammar.text, grammar.start
     return msg
 
 
 def constraint_from_proto(msg: pb.TokenConstraint) -> TokenConstraint | None:
-    """The banned sequences of a SamplingParams.constraint; None when there are none."""
+    """The banned sequences and grammar of a SamplingParams.constraint; None when there are none.
+    The grammar comes back unbound: the backend binds it to its token list."""
     tokens = unpack_i32(msg.tokens, "constraint.tokens")
     lengths = unpack_i32(msg.lengths, "constraint.lengths")
-    if not lengths.size:
+    grammar = Grammar(msg.grammar, start=int(msg.grammar_start)) if msg.grammar else None
+    if not lengths.size and grammar is None:
         return None
     if (lengths < 1).any() or int(lengths.sum()) != tokens.size:
         raise WireFormatError(f"constraint.lengths sum to {int(lengths.sum())}, but constraint.tokens holds "
                               f"{tokens.size} ids (and every length must be >= 1)")
     bounds = np.cumsum(lengths)[:-1]
-    return TokenConstraint(tuple(tuple(seq.tolist()) for seq in np.split(tokens, bounds)))
+    banned = tuple(tuple(seq.tolist()) for seq in np.split(tokens, bounds)) if lengths.size else ()
+    return TokenConstraint(banned, grammar=grammar)
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:

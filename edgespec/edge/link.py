@@ -369,6 +369,10 @@ class Link:
 
     def _verify(self, context: Sequence[int], tree: TokenTree, sampling: SamplingParams, step: int,
                 deadline: Deadline) -> VerifyResult:
+        if sampling.constraint and sampling.constraint.grammar is not None and not self.opened.grammar_constraints:
+            raise InvalidRequestError(f"the verifier at {self.address} ({self.opened.backend}) does not apply grammar "
+                                      "constraints (an older version, or a backend without them): its answer would "
+                                      "not follow the grammar")
         try:
             for _ in range(3):
                 request = wire.verify_message(tree, sampling, step, deadline_ms=max(1, int(deadline.remaining() * 1000)),

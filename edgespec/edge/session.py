@@ -12,10 +12,10 @@ import os
 import secrets
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 from edgespec.common import modelstore
-from edgespec.common.constraints import TokenConstraint
+from edgespec.common.constraints import Grammar, TokenConstraint
 from edgespec.common.errors import (
     ContextOverflowError,
     InvalidRequestError,
@@ -431,7 +431,8 @@ class EdgeSession:
     def chat(self, messages: Messages, *, stream: bool = False, max_tokens: int = 256, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
              sampling_rule: AcceptanceRule | str = AcceptanceRule.TARGET_SAMPLE,
-             banned_phrases: Sequence[str] = ()) -> str | Iterator[str]:
+             banned_phrases: Sequence[str] = (),
+             response_format: Mapping[str, Any] | None = None) -> str | Iterator[str]:
         """Answer a prompt or a list of {"role", "content"} messages; stream=True yields text chunks.
 
         Sampling (temperature > 0) is exact whatever the tree: `sampling_rule` "target-sample"
@@ -439,7 +440,12 @@ class EdgeSession:
         call, so the same prompt twice gives different answers; pass a seed to reproduce one.
         `banned_phrases` are never completed in the answer: their usual tokenisations are masked in
         the draft and in the verifier alike (common/constraints.py), so the output is the target's
-        own output under that mask.
+        own output under that mask. `response_format` (OpenAI's: {"type": "json_schema",
+        "json_schema": {"schema": {...}}}, {"type": "json_object"}; also {"type": "grammar",
+        "grammar": LARK_OR_GBNF}, {"type": "regex", "regex": ...}) makes the answer match it: the
+        same mask allows only the tokens that keep the answer a prefix of a match (then end of
+        generation), so the output is the target's own constrained output. An answer cut short by
+        max_tokens is an unfinished match.
         """
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
@@ -453,6 +459,9 @@ class EdgeSession:
         if banned_phrases:
             constraint = TokenConstraint.from_phrases(
                 banned_phrases, lambda text: self.draft_model.tokenize(text, add_special=False, parse_special=False))
+        grammar = Grammar.from_response_format(response_format) if response_format is not None else None
+        if grammar is not None:
+            constraint = dataclasses.replace(constraint or TokenConstraint(), grammar=grammar)
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, rule=sampling_rule,
                                   constraint=constraint)
         self._check_open()
@@ -507,6 +516,9 @@ class EdgeSession:
             self.finish_reason = None
             with self._step():
                 prompt = make_prompt()
+                if sampling.constraint:   # a grammar starts at the answer, over the draft's token list
+                    constraint = sampling.constraint.placed(len(prompt)).bind(self.draft_model.grammar_vocab)
+                    sampling = dataclasses.replace(sampling, constraint=constraint)
                 room = self.context_room(len(prompt))
                 if room < 1:
                     raise ContextOverflowError(

@@ -20,6 +20,7 @@ import llama_cpp as C  # noqa: E402  (after numpy: its import prints nothing but
 import numpy as np
 
 from edgespec.common.errors import ContextOverflowError, InvalidRequestError, ModelError, SessionClosedError
+from edgespec.common.constraints import GrammarVocab
 from edgespec.common.tokens import common_prefix_length, tokenizer_fingerprint
 
 _BACKEND_LOCK = threading.Lock()
@@ -91,6 +92,7 @@ class LlamaModel:
         self.bos: int = C.llama_vocab_bos(self._vocab)
         self._eog = np.array([C.llama_vocab_is_eog(self._vocab, t) for t in range(self.n_vocab)], bool)
         self._fingerprint: str | None = None
+        self._grammar_vocab: GrammarVocab | None = None
 
     @property
     def closed(self) -> bool:
@@ -146,6 +148,23 @@ class LlamaModel:
             self._fingerprint = tokenizer_fingerprint(
                 C.llama_vocab_get_text(self._vocab, t) or b"" for t in range(self.n_vocab))
         return self._fingerprint
+
+    def grammar_vocab(self) -> GrammarVocab:
+        """The token list as llguidance needs it for grammar constraints (common/constraints.py):
+        each token's bytes and the end-of-generation ids. Built on first use (about a second per
+        50k tokens), then kept with the model."""
+        self._check_open()
+        if self._grammar_vocab is None:
+            import warnings
+
+            from llguidance.llamacpp import lltokenizer_from_vocab
+
+            eog = np.flatnonzero(self._eog).tolist()
+            with warnings.catch_warnings():   # it calls llama_token_get_attr, deprecated, once per token
+                warnings.simplefilter("ignore", DeprecationWarning)
+                tokenizer = lltokenizer_from_vocab(self._vocab, eos_token=eog)
+            self._grammar_vocab = GrammarVocab(tokenizer, self.n_vocab)
+        return self._grammar_vocab
 
     # -- chat ---------------------------------------------------------------------------------
     def chat_template(self) -> str | None:

@@ -55,6 +55,8 @@ class LocalVerifier:
     def verify(self, context: Sequence[int], tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult:
         """Check the whole tree (rooted at context[-1]) in one decode: the accepted path plus one
         target token. The KV cache then holds context + those tokens, minus the new last one."""
+        if sampling.constraint:   # a grammar from the wire is compiled over this model's token list
+            sampling.constraint.bind(self.model.grammar_vocab)
         check_tree(tree, context, self.model.n_vocab, self.max_nodes, self.max_depth, sampling)
         self._hold(context)
         started = time.perf_counter()

@@ -35,6 +35,7 @@ class ModelInfo:
     max_k: int
     backend: str
     kv_bytes_per_session: int = 0   # estimate used by the session registry's memory budget
+    grammar_constraints: bool = False   # applies TokenConstraint.grammar (it knows its token bytes)
     extra: dict = field(default_factory=dict)
 
     def serves(self, model_id: str) -> bool:

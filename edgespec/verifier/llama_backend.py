@@ -86,7 +86,7 @@ class LlamaCppBackend(Backend):
             model_id=model_id or mid, aliases=aliases if model_id is None else (mid, *aliases),
             tokenizer_hash=self.model.tokenizer_fingerprint(), vocab_size=self.model.n_vocab, n_ctx=n_ctx,
             max_nodes=max_nodes, max_depth=max_depth, max_k=max_k, backend=device_label(self.model.gpu_layers, self.model.n_layer),
-            kv_bytes_per_session=kv + logits,
+            kv_bytes_per_session=kv + logits, grammar_constraints=True,   # runtime/tree_verifier.py binds grammars
             extra={"path": str(self.model.path), "gpu_layers": self.model.gpu_layers, "threads": n_threads})
 
     step_log: StepLog | None = None   # set to record every verified step (`verifier serve --log-dir`)

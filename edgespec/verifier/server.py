@@ -135,7 +135,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         i = self.info
         return pb.VerifierMessage(opened=pb.Opened(
             protocol_version=wire.PROTOCOL_VERSION, model_id=i.model_id, vocab_size=i.vocab_size, n_ctx=i.n_ctx,
-            max_nodes=i.max_nodes, max_depth=i.max_depth, max_k=i.max_k, session_id=session.id, backend=i.backend))
+            max_nodes=i.max_nodes, max_depth=i.max_depth, max_k=i.max_k, session_id=session.id, backend=i.backend,
+            grammar_constraints=i.grammar_constraints))
 
     def _sync(self, session: ServerSession, msg: pb.Sync, received: float) -> pb.VerifierMessage:
         if not session.opened:

@@ -269,7 +269,7 @@ def test_backend_compacts_between_steps_and_changes_no_output(model: Transformer
     prompts = [rng.integers(0, 512, size=n).tolist() for n in (37, 5, 52, 18, 29)]
     kw = dict(n_ctx=128, max_nodes=8, max_depth=4, max_sessions=5, block_size=4, attention="torch")
     plain = TorchBackend.from_model(model, compact_threshold=1.0, **kw)
-    compacting = TorchBackend.from_model(model, compact_threshold=0.0, **kw)
+    compacting = TorchBackend.from_model(model, compact_threshold=0.0, compact_check_every=1, **kw)
     want = greedy_run(plain, prompts, {1, 3}, 6, 0)
     got = greedy_run(compacting, prompts, {1, 3}, 6, 0)
     assert got == want
@@ -277,3 +277,20 @@ def test_backend_compacts_between_steps_and_changes_no_output(model: Transformer
     usage = compacting.kv_usage()
     assert usage.compactions > 0 and usage.blocks_moved > 0 and usage.used_blocks == 0
     assert compacting.engine.cache.pool.num_free == usage.blocks
+
+
+def test_between_steps_looks_at_f_every_n_calls_and_compacts_over_the_threshold(model: TransformerLM) -> None:
+    engine = Engine(model, num_blocks=16, block_size=4, attention="torch", compact_threshold=0.3,
+                    compact_check_every=3)
+    seqs = [engine.new_sequence() for _ in range(5)]
+    for s in seqs:
+        engine.prefill(s, [1, 2, 3, 4, 5])           # two blocks each: ids 1..10
+    seqs[0].close(), seqs[2].close()                  # holes at 1, 2 and 5, 6; free 11..15 above
+    assert engine.cache.pool.fragmentation() > 0.3
+    assert engine.between_steps() is None and engine.between_steps() is None
+    done = engine.between_steps()
+    assert done is not None and done.moved == 4 and engine.stats["compactions"] == 1
+    assert engine.cache.pool.fragmentation() == 0.0
+    seqs[4].truncate(4)                               # its second block was the top used one: F stays 0
+    for _ in range(3):
+        assert engine.between_steps() is None

@@ -126,7 +126,7 @@ class TorchBackend(Backend):
                  n_ctx: int = 4096, max_nodes: int = 128, max_depth: int = 32, max_k: int = 64,
                  max_sessions: int = 4, block_size: int = 16, threads: int | None = None,
                  model_id: str | None = None, cuda_graphs: bool | None = None, attention: str = "auto",
-                 prefill_chunk: int = 256, compact_threshold: float = 0.5) -> None:
+                 prefill_chunk: int = 256, compact_threshold: float = 0.5, compact_check_every: int = 16) -> None:
         if not 2 <= max_nodes <= MAX_TREE_NODES:
             raise ValueError(f"max_nodes must be in [2, {MAX_TREE_NODES}], got {max_nodes}")
         if n_ctx < max_depth + 2:
@@ -146,26 +146,28 @@ class TorchBackend(Backend):
         self._setup(model, model_id=model_id or mid, aliases=aliases if model_id is None else (mid, *aliases),
                     tokenizer_hash=fingerprint, n_ctx=n_ctx, max_nodes=max_nodes, max_depth=max_depth, max_k=max_k,
                     max_sessions=max_sessions, block_size=block_size, cuda_graphs=cuda_graphs, attention=attention,
-                    prefill_chunk=prefill_chunk, compact_threshold=compact_threshold, extra={"path": str(model_path)})
+                    prefill_chunk=prefill_chunk, compact_threshold=compact_threshold,
+                    compact_check_every=compact_check_every, extra={"path": str(model_path)})
 
     @classmethod
     def from_model(cls, model: TransformerLM, *, model_id: str = "random", tokenizer_hash: str = "",
                    n_ctx: int = 4096, max_nodes: int = 128, max_depth: int = 32, max_k: int = 64,
                    max_sessions: int = 4, block_size: int = 16, cuda_graphs: bool | None = None,
                    attention: str = "auto", prefill_chunk: int = 256,
-                   compact_threshold: float = 0.5) -> "TorchBackend":
+                   compact_threshold: float = 0.5, compact_check_every: int = 16) -> "TorchBackend":
         """A backend around a model already in memory (benchmarks with random weights)."""
         backend = cls.__new__(cls)
         backend._setup(model, model_id=model_id, aliases=(), tokenizer_hash=tokenizer_hash, n_ctx=n_ctx,
                        max_nodes=max_nodes, max_depth=max_depth, max_k=max_k, max_sessions=max_sessions,
                        block_size=block_size, cuda_graphs=cuda_graphs, attention=attention,
-                       prefill_chunk=prefill_chunk, compact_threshold=compact_threshold, extra={})
+                       prefill_chunk=prefill_chunk, compact_threshold=compact_threshold,
+                       compact_check_every=compact_check_every, extra={})
         return backend
 
     def _setup(self, model: TransformerLM, *, model_id: str, aliases: tuple[str, ...], tokenizer_hash: str,
                n_ctx: int, max_nodes: int, max_depth: int, max_k: int, max_sessions: int, block_size: int,
                cuda_graphs: bool | None, attention: str, prefill_chunk: int, compact_threshold: float,
-               extra: dict) -> None:
+               compact_check_every: int, extra: dict) -> None:
         self.model = model
         blocks_per_session = -(-n_ctx // block_size)
         # Each session may hold n_ctx positions plus a tree of max_nodes in reserved slots; one spare
@@ -174,7 +176,7 @@ class TorchBackend(Backend):
         step_blocks = -(-(n_ctx + max_nodes) // block_size) + 1
         self.engine = Engine(model, num_blocks=max_sessions * (step_blocks + 1) + 1, block_size=block_size,
                              cuda_graphs=cuda_graphs, attention=attention, prefill_chunk=prefill_chunk,
-                             compact_threshold=compact_threshold)
+                             compact_threshold=compact_threshold, compact_check_every=compact_check_every)
         self._sessions: set[TorchSession] = set()
         c = model.config
         dtype = next(k for k, v in DTYPES.items() if v == model.dtype)

@@ -187,9 +187,11 @@ def slot_of(tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.T
 class Engine:
     def __init__(self, model: TransformerLM, *, num_blocks: int, block_size: int = 16, prefill_chunk: int = 256,
                  cuda_graphs: bool | None = None, attention: str = "auto", fused: bool | None = None,
-                 compact_threshold: float = 0.5, compact_reserve: int = 16) -> None:
+                 compact_threshold: float = 0.5, compact_reserve: int = 16, compact_check_every: int = 16) -> None:
         """compact_threshold: compact the cache between steps when its fragmentation F is above this
-        (1.0: never); compact_reserve: staging blocks for those copies (kv_cache.py). attention: "torch" (gather + SDPA, runs anywhere), "triton" (the paged tree-attention
+        (1.0: never), looking at F every `compact_check_every` calls of between_steps (F is a scan of
+        the pool: milliseconds at 10^5 blocks, docs/BENCHMARKS.md); compact_reserve: staging blocks for
+        the copies (kv_cache.py). attention: "torch" (gather + SDPA, runs anywhere), "triton" (the paged tree-attention
         kernel; CUDA, or Triton's CPU interpreter in tests) or "auto" (triton on CUDA when it
         imports, else torch). cuda_graphs: capture each step bucket as a CUDA graph (default: on
         CUDA). fused: fused.py's Triton kernels for norms, RoPE + cache writes and SiLU (default:
@@ -202,6 +204,8 @@ class Engine:
         if not 0.0 <= compact_threshold <= 1.0:
             raise ValueError(f"compact_threshold must be in [0, 1], got {compact_threshold}")
         self.compact_threshold = compact_threshold
+        self.compact_check_every = max(1, compact_check_every)
+        self._since_check = 0
         self.prefill_chunk = prefill_chunk
         self.device = model.device
         is_cuda = self.device.type == "cuda"
@@ -246,7 +250,11 @@ class Engine:
 
     def between_steps(self) -> Compaction | None:
         """Housekeeping no step may overlap: compact the cache if F is over the threshold."""
-        if self.compact_threshold >= 1.0 or self.cache.pool.fragmentation() <= self.compact_threshold:
+        self._since_check += 1
+        if self.compact_threshold >= 1.0 or self._since_check < self.compact_check_every:
+            return None
+        self._since_check = 0
+        if self.cache.pool.fragmentation() <= self.compact_threshold:
             return None
         done = self.cache.compact()
         self.stats["compactions"] += 1

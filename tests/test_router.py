@@ -265,3 +265,30 @@ def test_cli_router_flag(smol_path, tmp_path) -> None:
         r = cli("Say hello.", *models, *bad)   # refused before any model loads
         assert r.returncode == 2, (bad, r.stderr)
         assert "--router" in r.stderr
+
+
+def test_routed_planner_counts_a_lookup_without_match_as_a_miss(embedder, tmp_path) -> None:
+    """A step that asked for a tree and got nothing from a model-free arm is evidence against it
+    (otherwise the lookup's acceptance would be measured on its matching steps only); a model tree
+    pruned to the root by the planner is not."""
+    from edgespec.edge.router import RoutedPlanner
+
+    router = Router([ArmSpec("lookup", 0.0, 0.002), ArmSpec("draft", 0.03)], embedder=embedder,
+                    state_path=tmp_path / "r.npz", save_every=0)
+    routed = RoutedPlanner(router)
+    route = router.route(CODE[0])
+    prior = router.predicted(route)["lookup"]
+
+    def empty_step(decodes: int) -> StepObservation:
+        return StepObservation(nodes=0, draft_s=0.002, draft_decodes=decodes, network_s=0.05, bytes_up=48,
+                               verify_s=0.01, queue_s=0.0, scores=np.zeros(0), accepted=np.zeros(0, bool))
+
+    routed.begin_turn(CODE[0], route=route, among=["lookup"])
+    for _ in range(10):
+        routed.last_choice = 2          # chain(4) was asked for
+        routed.observe(empty_step(0))
+    assert router.arms["lookup"].steps == 10 and router.predicted(route)["lookup"] < prior - 0.2
+    routed.begin_turn(CODE[0], route=route, among=["draft"])
+    routed.last_choice = 2
+    routed.observe(empty_step(4))       # the model drafted; the planner sent nothing
+    assert router.arms["draft"].steps == 0

@@ -385,10 +385,17 @@ class RoutedPlanner(Planner):
         return self.ladder[best]
 
     def observe(self, obs: StepObservation) -> None:
+        shape = self.ladder[self.last_choice]
         super().observe(obs)
-        if self.turn is not None and obs.nodes > 0:
+        if self.turn is None:
+            return
+        if obs.nodes > 0:
             depth = int(obs.depths.max()) if obs.depths is not None and obs.depths.size else obs.nodes
             self.router.observe(self.turn, int(obs.accepted.sum()), depth, obs.draft_s, obs.draft_decodes)
+        elif shape.budget > 0 and obs.draft_decodes == 0:
+            # A tree was asked for and the arm proposed nothing (a lookup without a match): for the
+            # arm that is a rejected first node, or its acceptance would count only the steps it matched.
+            self.router.observe(self.turn, 0, shape.max_depth, obs.draft_s, 0)
 
     def snapshot(self) -> dict:
         return {**super().snapshot(), "router": {"arm": self.turn.arm if self.turn else None,

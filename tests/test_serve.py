@@ -103,6 +103,8 @@ def test_stop_sequence(client, greedy_text, stream):
     (dict(seed="x"), openai.BadRequestError, "seed"),
     (dict(stop=["a", "b", "c", "d", "e"]), openai.BadRequestError, "stop"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), openai.BadRequestError, "tools"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nosuch"}}}),
+     openai.BadRequestError, "response_format"),
 ])
 def test_bad_requests_get_openai_errors(client, kwargs, error, param):
     args = dict(model="edge-test", messages=PROMPT, max_tokens=4) | kwargs
@@ -110,6 +112,22 @@ def test_bad_requests_get_openai_errors(client, kwargs, error, param):
         client.chat.completions.create(**args)
     body = info.value.body
     assert body["param"] == param and body["message"] and body["type"]
+
+
+def test_json_schema_response_format(client):
+    """OpenAI's structured outputs: the answer is JSON valid against the schema (common/constraints.py)."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 16},
+                                               "rgb": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 255},
+                                                       "minItems": 3, "maxItems": 3}},
+              "required": ["colour", "rgb"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model="edge-test", max_tokens=64, messages=[{"role": "user", "content": "A colour and its RGB values, as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "colour", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
 def test_sampled_answer(client):

@@ -78,9 +78,13 @@ class Grammar:
         if error:
             raise InvalidRequestError(f"invalid grammar: {error.strip()}")
 
+    # JSON as json.dumps writes it, on one line: with free whitespace (llguidance's default) small
+    # models drift into endless newlines inside the object. A schema's own "x-guidance" overrides it.
+    JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | str | bool) -> "Grammar":
-        """JSON text valid against `schema` (a dict, or its JSON text)."""
+        """JSON text valid against `schema` (a dict, or its JSON text), laid out as JSON_LAYOUT."""
         import llguidance
 
         if isinstance(schema, str):
@@ -91,7 +95,7 @@ class Grammar:
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequestError(f"a JSON schema is an object, got {type(schema).__name__}")
         try:
-            return cls(llguidance.LLMatcher.grammar_from_json_schema(schema))
+            return cls(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=cls.JSON_LAYOUT))
         except ValueError as exc:
             raise InvalidRequestError(f"invalid JSON schema: {exc}") from None
 

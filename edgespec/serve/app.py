@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from edgespec.common.constraints import Grammar
 from edgespec.common.errors import (
     ContextOverflowError,
     InvalidRequestError,
@@ -36,8 +37,7 @@ from edgespec.serve.worker import Job, Outcome, Params, SessionWorker
 log = logging.getLogger("edgespec.serve")
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
-UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "logprobs", "audio", "response_format",
-               "prediction", "logit_bias")
+UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "logprobs", "audio", "prediction", "logit_bias")
 
 
 class APIError(Exception):
@@ -239,8 +239,14 @@ def parse_chat(body: Any, cfg: Any) -> tuple[list[dict[str, str]], Params, bool,
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise APIError(400, "'stream_options' must be an object", param="stream_options")
+    response_format = body.get("response_format")
+    if response_format is not None:   # refused here, with its reason, rather than in the session thread
+        try:
+            Grammar.from_response_format(response_format)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param="response_format", code="invalid_value") from None
     params = Params(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                    seed=seed if seed is None else seed % 2**63, stop=stops)
+                    seed=seed if seed is None else seed % 2**63, stop=stops, response_format=response_format)
     return messages, params, stream, bool(options.get("include_usage"))
 
 

@@ -32,6 +32,7 @@ class Params:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    response_format: dict | None = None   # checked by the app (common/constraints.py Grammar)
 
 
 @dataclasses.dataclass
@@ -198,7 +199,7 @@ class SessionWorker:
         prompt_tokens = len(session.draft_model.chat_tokens(job.messages))
         scanner = StopScanner(p.stop)
         chunks = session.chat(job.messages, stream=True, max_tokens=p.max_tokens, temperature=p.temperature,
-                              top_p=p.top_p, seed=p.seed)
+                              top_p=p.top_p, seed=p.seed, response_format=p.response_format)
         stopped = False
         try:
             for chunk in chunks:

@@ -113,3 +113,33 @@ def test_long_prefill_takes_turns_with_other_sessions_verifies():
     assert value["edgespec_verifier_prefill_turns_total"] == registry.stats.prefill_turns
     registry.close()
     assert b.engine.cache.pool.stats().used == 0
+
+
+def test_a_sync_the_pool_cannot_hold_fails_that_session_alone():
+    """Out of KV blocks in the middle of a chunked prefill: that Sync fails with OutOfBlocksError
+    (RESOURCE_EXHAUSTED on the wire), its blocks go back to the pool, and another session goes on
+    stepping with the tokens it gets alone."""
+    from edgespec.common.wire import status_of
+    from edgespec.verifier.torch.block_pool import OutOfBlocksError
+
+    model = TransformerLM.random(ModelConfig.tiny("qwen2"), dtype=torch.float32, max_positions=N_CTX, seed=11)
+    b = TorchBackend.from_model(model, n_ctx=N_CTX, max_nodes=8, max_depth=4, max_sessions=1, block_size=16,
+                                prefill_chunk=16, attention="torch")
+    registry = SessionRegistry(b, max_sessions=2, max_batch=8)
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 512, size=600).tolist()    # the pool holds one session of n_ctx: not two of 600
+    first, second = registry.open_stream(), registry.open_stream()
+    registry.sync(first, prompt, time.monotonic())
+    used = b.engine.cache.pool.stats().used
+    with pytest.raises(OutOfBlocksError) as failed:
+        registry.sync(second, rng.integers(0, 512, size=600).tolist(), time.monotonic())
+    assert "KV cache full" in str(failed.value)
+    assert status_of(failed.value).name == "RESOURCE_EXHAUSTED"
+    assert second.kv is None and b.engine.cache.pool.stats().used == used
+    tokens = []
+    for step in range(3):
+        out = registry.verify_batched(first, time.monotonic(), 0, root_tree(first.kv.committed[-1]),
+                                      SamplingParams(), step, 0)
+        tokens += out.result.tokens
+    assert tokens == alone(model, prompt, 3)
+    registry.close()

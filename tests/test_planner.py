@@ -104,3 +104,19 @@ def test_exploration_is_rarer_when_the_neighbour_is_known_to_be_far_worse():
     far, p = explorations(Planner(), 500, rtt_s=0.2, bandwidth_bps=12.5e6, verify_fixed_s=0.01,
                           verify_per_node_s=0.0005, accept_fn=lambda s: s)
     assert p.choose().budget >= 16 and far >= 500 // 16 - 2
+
+
+def test_realized_tokens_go_to_the_rung_that_drafted_the_tree():
+    """A pipelined decoder chooses (and drafts) the next tree before this one is answered: what a
+    tree achieved is credited to the shape it was drafted with, not to the newer choice. Credited to
+    target-only, a deep tree's tokens made plain decoding look several tokens per step, and the
+    planner then stayed target-only (it never observes itself there to correct it)."""
+    p = Planner()
+    tree32 = next(i for i, s in enumerate(p.ladder) if s.label == "tree32")
+    p.last_choice = 0  # the next tree (drafted ahead) is target-only
+    for _ in range(4):
+        p.observe(StepObservation(nodes=32, draft_s=0.2, draft_decodes=8, network_s=0.4, bytes_up=300,
+                                  verify_s=0.1, queue_s=0.0, scores=np.full(32, 0.9),
+                                  accepted=np.arange(32) < 7, shape="tree32"))
+    assert 0 not in p.realized and p.realized[tree32] == (4, 8.0)
+    assert p.expected_tokens(0) == 1.0

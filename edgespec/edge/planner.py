@@ -56,6 +56,7 @@ class StepObservation:
     scores: np.ndarray         # draft path probability of each drafted node
     accepted: np.ndarray       # bool per drafted node: on the accepted path
     depths: np.ndarray | None = None  # depth of each drafted node (1 = child of the root)
+    shape: str = ""            # TreeShape.label it was drafted with; "" = the last choice
 
 
 def tree_tokens(shape: TreeShape, a: float, a_sibling: float) -> float:
@@ -135,9 +136,12 @@ class Planner:
         self.verify.add(obs.nodes + 1, obs.verify_s)
         if obs.draft_decodes:
             self.draft_per_decode_s = 0.8 * self.draft_per_decode_s + 0.2 * obs.draft_s / obs.draft_decodes
-        count, mean = self.realized.get(self.last_choice, (0, 0.0))
+        # Credited to the rung the tree was drafted with: a pipelined decoder has already chosen (and
+        # drafted) the next tree when this one is answered, so the last choice may be another rung.
+        rung = self._rung(obs.shape)
+        count, mean = self.realized.get(rung, (0, 0.0))
         tokens = 1.0 + float(obs.accepted.sum())
-        self.realized[self.last_choice] = (count + 1, mean + (tokens - mean) / min(count + 1, 16))
+        self.realized[rung] = (count + 1, mean + (tokens - mean) / min(count + 1, 16))
         if obs.depths is not None:  # before the bins learn from this step: predicted out of sample
             d = np.minimum(obs.depths, MAX_TRACKED_DEPTH)
             np.add.at(self.depth_predicted, d, self.acceptance(obs.scores))
@@ -145,6 +149,11 @@ class Planner:
         bins = np.clip(np.digitize(obs.scores, SCORE_BINS) - 1, 0, len(self.hits) - 1)
         np.add.at(self.trials, bins, 1.0)
         np.add.at(self.hits, bins, obs.accepted.astype(float))
+
+    def _rung(self, label: str) -> int:
+        """The ladder rung of a shape label (the last choice when unknown or not given)."""
+        return next((i for i, s in enumerate(self.ladder) if s.label == label), self.last_choice) if label \
+            else self.last_choice
 
     @property
     def depth_correction(self) -> np.ndarray:

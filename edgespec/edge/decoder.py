@@ -3,9 +3,11 @@
 With a remote verifier, and under the planner also with the local one, the loop is pipelined
 (double buffering; the verifier runs on a worker thread or elsewhere): while a tree is in flight, the
 drafter assumes the tree's most probable path will be accepted, predicts the target's next token
-with the draft model, and drafts the following tree from there. If the verifier's answer matches
-that guess, the prepared tree goes out at once; otherwise the drafter's KV cache keeps whatever
-prefix is still valid (TreeContext.sync) and drafting resumes from the real context.
+with the draft model, and drafts the following tree from there. Drafting ahead stops when the
+answer arrives. If the answer matches the guess, the prepared tree goes out, finished first where
+the answer cut it short (Drafter.grow resumes it), so it is the tree drafting at the step would have
+made, sooner; otherwise the drafter's KV cache keeps whatever prefix is still valid
+(TreeContext.sync) and drafting resumes from the real context.
 
 Only the verifier's answers are ever committed, so whatever the drafter guesses, output is the
 verifier's output: no token is lost or duplicated by the pipelining.
@@ -102,6 +104,7 @@ class SessionStats:
 class _Prepared:
     context: list[int]   # the committed context this draft assumes
     draft: Draft
+    shape: TreeShape     # the shape it was drafted with (to finish it in, if it was cut short)
 
 
 class Decoder:
@@ -146,7 +149,7 @@ class Decoder:
         while produced < max_tokens:
             started = time.perf_counter()
             if prepared is not None and prepared.context == committed:
-                draft = prepared.draft
+                draft = prepared.draft if prepared.draft.complete else self._finish(prepared, sampling, step)
                 self.stats.prepared_hits += 1
             else:
                 draft = self._draft(committed, sampling, step)
@@ -190,12 +193,16 @@ class Decoder:
 
     # -- drafting -----------------------------------------------------------------------------
     def _draft(self, committed: list[int], sampling: SamplingParams, step: int,
-               stop: Callable[[], bool] | None = None) -> Draft:
-        shape = self.planner.choose() if self.planner else self.shape
+               stop: Callable[[], bool] | None = None, shape: TreeShape | None = None) -> Draft:
+        """Draft the step's tree in `shape` (default: the planner's choice, else the fixed shape).
+        With `stop`, the tree may come back unfinished (complete=False): see _finish."""
+        shape = shape or (self.planner.choose() if self.planner else self.shape)
         if shape.budget == 0:  # target-only decoding (the baseline): one token per step
             return Draft(TokenTree.chain(committed[-1], []), [0], np.ones(1), shape=shape.label)
         draft = self.drafter.grow(committed, shape, sampling, step, stop=stop)
         draft.shape = shape.label
+        if not draft.complete:
+            return draft   # cut by the planner once finished, never in between
         # The planner cuts the tree by the drafted scores. Under the sampled rejection rule a cut must
         # not depend on the drawn values (drafting.selection_order), so such trees go out whole.
         if self.planner and not self.planner.exploring and not draft.prefix_groups:
@@ -214,7 +221,15 @@ class Decoder:
         guess.append(self.drafter.predict_next(guess))
         if stop():
             return None
-        return _Prepared(guess, self._draft(guess, sampling, step, stop=stop))
+        shape = self.planner.choose() if self.planner else self.shape
+        return _Prepared(guess, self._draft(guess, sampling, step, stop=stop, shape=shape), shape)
+
+    def _finish(self, prepared: _Prepared, sampling: SamplingParams, step: int) -> Draft:
+        """The guess came true but the answer cut the prepared tree short: grow it on to the full
+        shape (the drafter resumes where it stopped, its KV cache untouched since), so what goes
+        out is the tree drafting at this step would have made. Sent as cut, prepared trees
+        accepted about half the tokens (docs/BENCHMARKS.md, issue 10)."""
+        return self._draft(prepared.context, sampling, step, shape=prepared.shape)
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _record(self, draft: Draft, result: VerifyResult, emitted: list[int], started: float, sent: float,

@@ -78,6 +78,29 @@ class _Node:
     q_weights: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint16))
 
 
+@dataclass
+class _Growth:
+    """A tree growing in the draft's KV cache: what Drafter.grow needs to go on where it stopped."""
+
+    committed: list[int]
+    shape: TreeShape
+    sampling: SamplingParams
+    step: int
+    nodes: list[_Node]
+    frontier: list[int]      # nodes added at the last depth (the candidates for the next one)
+    depth: int = 1           # the next depth to decode (the root's children are depth 1)
+    decodes: int = 1
+    next_seq: int = 1        # the first free KV sequence
+    seconds: float = 0.0     # drafting time so far, over every call that grew it
+
+    def resumes(self, committed: list[int], shape: TreeShape, sampling: SamplingParams, step: int,
+                ctx: "DraftContext") -> bool:
+        """Whether a grow() call with these arguments continues this growth. The context's own
+        tokens are checked too (where it has them): its KV cache must still be the one grown in."""
+        return (step == self.step and sampling is self.sampling and shape == self.shape
+                and committed == self.committed and getattr(ctx, "tokens", self.committed) == self.committed)
+
+
 def selection_order(scores: np.ndarray | list[float], parents: np.ndarray | list[int],
                     prefix_groups: bool = False) -> list[int]:
     """Non-root nodes in the order they are kept: the n best nodes are the first n of it.
@@ -112,6 +135,9 @@ class Draft:
     decodes: int = 0
     shape: str = ""          # TreeShape.label of the shape it was drafted with
     prefix_groups: bool = False  # drawn for the rejection rule: prune only as selection_order allows
+    # False when a stop() cut growth short: Drafter.grow with the same arguments finishes the tree
+    # (the decoder does so before sending a tree drafted ahead; see Drafter.grow).
+    complete: bool = True
 
     def order(self) -> list[int]:
         """Non-root nodes in the order pruning keeps them (see selection_order)."""
@@ -126,7 +152,7 @@ class Draft:
         tree = TokenTree(tokens=t.tokens[keep], parents=np.array([index.get(int(t.parents[i]), -1) for i in keep]),
                          q_tokens=t.q_tokens[keep], q_weights=t.q_weights[keep])
         return Draft(tree, [self.node_seq[i] for i in keep], self.scores[keep], self.seconds, self.decodes, self.shape,
-                     self.prefix_groups)
+                     self.prefix_groups, self.complete)
 
 
 class DraftContext(Protocol):
@@ -148,47 +174,74 @@ class Drafter:
                  context: DraftContext | None = None) -> None:
         self.model = model
         self.ctx = context if context is not None else TreeContext(model, config)
+        self._unfinished: _Growth | None = None   # a tree a stop() cut short (grow resumes it)
+        self._committed: list[int] = []
 
     def close(self) -> None:
         self.ctx.close()
 
     def predict_next(self, committed: list[int]) -> int:
         """The draft's most probable next token after `committed` (a guess of the target's)."""
+        self._unfinished = None   # the sync below rewrites the KV cache the growth lives in
         return int(np.argmax(self.ctx.sync(committed)))
 
     def grow(self, committed: list[int], shape: TreeShape, sampling: SamplingParams, step: int,
              stop: Callable[[], bool] | None = None) -> Draft:
-        """Draft a tree rooted at committed[-1]; `stop()` returning True ends growth early."""
+        """Draft a tree rooted at committed[-1]; `stop()` returning True ends growth early.
+
+        A tree cut short by stop() comes back with complete=False, and its growth stays in the KV
+        cache: the next call with the same context, shape, sampling (the same object) and step,
+        with nothing done to the drafter in between, resumes it where it stopped, so the finished
+        tree is the one an uninterrupted call would have drafted. The decoder relies on this for
+        trees drafted ahead: cut short when the verifier answers, finished if the guess came true
+        (sending them truncated cost tree16 about half its accepted tokens, docs/BENCHMARKS.md).
+        """
         started = time.perf_counter()
-        self._committed = committed   # the context of the constraint mask (_expand)
-        root_logits = self.ctx.sync(committed)
-        nodes = [_Node(token=committed[-1], parent=-1, depth=0, score=1.0, seq=0)]
-        frontier = self._expand(nodes, 0, root_logits, shape, sampling, step)
-        decodes, next_seq = 1, 1
-        for depth in range(1, shape.max_depth):
+        growth, self._unfinished = self._unfinished, None
+        if growth is None or not growth.resumes(committed, shape, sampling, step, self.ctx):
+            growth = self._start(committed, shape, sampling, step)
+        self._committed = growth.committed   # the context of the constraint mask (_expand)
+        nodes = growth.nodes
+        complete = True
+        while growth.depth < shape.max_depth:
             if stop is not None and stop():
+                complete = False
                 break
             cutoff = self._cutoff(nodes, shape.budget)
-            candidates = [i for i in frontier if nodes[i].score >= max(cutoff, shape.min_prob)
+            candidates = [i for i in growth.frontier if nodes[i].score >= max(cutoff, shape.min_prob)
                           and not self.model.is_end_of_generation(nodes[i].token)]
             pick = sorted(candidates, key=lambda i: (-nodes[i].score, i))[: shape.width]
-            if not pick or next_seq + len(pick) > self.ctx.n_seq_max:
+            if not pick or growth.next_seq + len(pick) > self.ctx.n_seq_max:
                 break
             pick.sort()
             logits = self.ctx.decode_frontier([nodes[i].token for i in pick], [nodes[nodes[i].parent].seq for i in pick],
-                                              depth, next_seq)
-            decodes += 1
-            frontier = []
+                                              growth.depth, growth.next_seq)
+            growth.decodes += 1
+            growth.frontier = []
             for row, i in enumerate(pick):
-                nodes[i].seq = next_seq + row
-                frontier += self._expand(nodes, i, logits[row], shape, sampling, step)
-            next_seq += len(pick)
+                nodes[i].seq = growth.next_seq + row
+                growth.frontier += self._expand(nodes, i, logits[row], shape, sampling, step)
+            growth.next_seq += len(pick)
+            growth.depth += 1
+        growth.seconds += time.perf_counter() - started
+        if not complete:
+            self._unfinished = growth
         draft = self._as_draft(nodes, sampling.needs_q).pruned(shape.budget)
-        draft.seconds, draft.decodes = time.perf_counter() - started, decodes
+        draft.seconds, draft.decodes, draft.complete = growth.seconds, growth.decodes, complete
         return draft
+
+    def _start(self, committed: list[int], shape: TreeShape, sampling: SamplingParams, step: int) -> "_Growth":
+        """Sync the KV cache to `committed` and expand the root (depth 0: one decode)."""
+        committed = list(committed)   # the caller's list may grow; the growth keeps what it was for
+        self._committed = committed
+        root_logits = self.ctx.sync(committed)
+        nodes = [_Node(token=committed[-1], parent=-1, depth=0, score=1.0, seq=0)]
+        frontier = self._expand(nodes, 0, root_logits, shape, sampling, step)
+        return _Growth(committed, shape, sampling, step, nodes, frontier)
 
     def accept(self, draft: Draft, path: list[int]) -> None:
         """Keep the KV of the longest decoded accepted prefix; the rest is re-ingested lazily."""
+        self._unfinished = None   # the tree's branches are dropped below
         decoded = list(itertools.takewhile(lambda n: draft.node_seq[n] >= 0, path))
         if not decoded:
             self.ctx.drop_branches()

@@ -169,18 +169,21 @@ class DraftPool:
             slot.last_used = self._tick
             draft = slot.expert.propose(committed, shape, sampling, step, stop)
             slot.last_draft = draft
-            slot.stats.proposals += 1
-            slot.stats.nodes += len(draft.tree) - 1
-            slot.stats.seconds += draft.seconds
+            if draft.complete:   # a tree cut short is counted once finished (the same call again)
+                slot.stats.proposals += 1
+                slot.stats.nodes += len(draft.tree) - 1
+                slot.stats.seconds += draft.seconds
             parts.append((name, draft))
         expert_seconds = sum(d.seconds for _, d in parts) + load_seconds
+        complete = all(d.complete for _, d in parts)
         parts = [p for p in parts if len(p[1].tree) > 1] or parts[:1]   # empty proposals: nothing to merge
         if len(parts) == 1:
             draft, origins = parts[0][1], [frozenset([parts[0][0]])] * len(parts[0][1].tree)
         else:
             merged = merge_drafts(parts, shape.budget)
             draft, origins = merged.draft, merged.origins
-        if len(draft.tree) > 1:
+        draft.complete = complete   # unfinished: the decoder calls again to finish it (Drafter.grow)
+        if len(draft.tree) > 1 and complete:
             proposers = set().union(*origins[1:])
             self.merged_steps += len(proposers) > 1
             for name in proposers:

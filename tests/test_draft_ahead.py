@@ -1,0 +1,155 @@
+"""Trees drafted ahead (while the previous tree is verified) must be the trees drafting at the step
+would have made (issue 10). They used to go out as far as they had grown when the verifier
+answered: with a fast verifier, depth 3 of 6 on the Qwen pair, half the accepted tokens.
+
+Real llama.cpp (SmolLM2) throughout. The only harness is timing: the drafter waits for the
+verifier's answer before drafting ahead, which makes "the answer arrives before the tree is
+grown" (the case of a GPU verifier) happen on every step instead of by chance.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Sequence
+
+import pytest
+from lossless import assert_lossless, target_only_greedy
+
+from edgespec.common.acceptance import VerifyResult
+from edgespec.common.sampling import SamplingParams
+from edgespec.common.tree import TokenTree
+from edgespec.edge.decoder import Decoder, SessionStats
+from edgespec.edge.drafting import Draft, Drafter, TreeShape
+from edgespec.edge.pool import DraftPool, LookupExpert, ModelExpert
+from edgespec.runtime.llama import ContextConfig, LlamaModel
+from edgespec.runtime.tree_verifier import LocalVerifier
+
+GREEDY = SamplingParams()
+TREE = TreeShape(budget=16, max_depth=6, branching=4, width=4)
+CONFIG = ContextConfig(n_ctx=512, max_tree_nodes=64, n_threads=1)
+
+
+def tree_of(draft: Draft) -> tuple[list[int], list[int]]:
+    return draft.tree.tokens.tolist(), draft.tree.parents.tolist()
+
+
+def stop_after(n: int) -> Callable[[], bool]:
+    """A stop() that lets `n` depths grow, then says stop (as a verifier's answer would)."""
+    calls = iter(range(10**6))
+    return lambda: next(calls) >= n
+
+
+@pytest.fixture
+def prompt(smol_model: LlamaModel) -> list[int]:
+    return smol_model.chat_tokens([{"role": "user", "content": "List the planets of the solar system."}])
+
+
+def test_a_tree_cut_short_is_resumed_to_the_uninterrupted_tree(smol_model, prompt):
+    """grow(stop) returns the partial tree marked incomplete; the same call again finishes it into
+    exactly the tree one uninterrupted call drafts (tokens, parents, scores); anything else starts over."""
+    drafter, reference = Drafter(smol_model, CONFIG), Drafter(smol_model, CONFIG)
+    try:
+        whole = reference.grow(prompt, TREE, GREEDY, 0)
+        assert whole.complete and whole.decodes >= 4 and len(whole.tree) == TREE.budget + 1
+
+        cut = drafter.grow(prompt, TREE, GREEDY, 0, stop=stop_after(1))
+        assert not cut.complete and cut.decodes == 2
+        assert max(cut.tree.depths) == 2 < max(whole.tree.depths)
+        finished = drafter.grow(list(prompt), TREE, GREEDY, 0)   # a copy: the same context
+        assert finished.complete and finished.decodes == whole.decodes
+        assert tree_of(finished) == tree_of(whole)
+        assert finished.scores.tolist() == whole.scores.tolist()
+        assert finished.seconds >= cut.seconds               # drafting time over both calls
+
+        # A different context (a guess that did not come true) never resumes the cut tree.
+        drafter.grow(prompt, TREE, GREEDY, 1, stop=stop_after(0))
+        other = prompt[:-1]
+        fresh = drafter.grow(other, TREE, GREEDY, 1)
+        assert fresh.complete and tree_of(fresh) == tree_of(reference.grow(other, TREE, GREEDY, 1))
+    finally:
+        drafter.close()
+        reference.close()
+
+
+class AnswerFirst:
+    """Drafter-side timing harness. answer_first: drafting ahead (a grow with a stop) starts only
+    once the verifier has answered, so every tree drafted ahead is cut at its first depth. Else
+    drafting ahead is never cut (the verifier's answer waits for it)."""
+
+    def __init__(self, drafter: Drafter | DraftPool, answer_first: bool) -> None:
+        self.inner, self.answer_first, self.ahead = drafter, answer_first, 0
+
+    def grow(self, committed: list[int], shape: TreeShape, sampling: SamplingParams, step: int,
+             stop: Callable[[], bool] | None = None) -> Draft:
+        if stop is not None:   # drafting ahead
+            self.ahead += 1
+            while self.answer_first and not stop():
+                threading.Event().wait(0.001)
+            stop = stop if self.answer_first else None
+        return self.inner.grow(committed, shape, sampling, step, stop=stop)
+
+    def accept(self, draft: Draft, path: list[int]) -> None:
+        self.inner.accept(draft, path)
+
+    def predict_next(self, committed: list[int]) -> int:
+        return self.inner.predict_next(committed)
+
+
+class Recording:
+    """The real LocalVerifier, noting each tree it is sent and whether the decoder had drafted it ahead."""
+
+    def __init__(self, verifier: LocalVerifier, stats: SessionStats) -> None:
+        self.inner, self.stats, self.sent, self._hits = verifier, stats, [], 0
+
+    def sync(self, context: Sequence[int]) -> None:
+        self.inner.sync(context)
+
+    def verify(self, context: Sequence[int], tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult:
+        prepared, self._hits = self.stats.prepared_hits > self._hits, self.stats.prepared_hits
+        self.sent.append((list(context), tree.tokens.tolist(), tree.parents.tolist(), prepared))
+        return self.inner.verify(context, tree, sampling, step)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def decode_ahead(model: LlamaModel, prompt: list[int], pooled: bool, answer_first: bool,
+                 n: int = 40) -> tuple[list[int], Recording, AnswerFirst]:
+    """Pipelined decoding of `prompt` with real llama.cpp draft and target (both `model`)."""
+    drafter = Drafter(model, CONFIG)
+    harness = AnswerFirst(DraftPool([ModelExpert.around("draft", drafter), LookupExpert()]) if pooled else drafter,
+                          answer_first)
+    stats = SessionStats()
+    verifier = Recording(LocalVerifier(model, CONFIG), stats)
+    decoder = Decoder(harness, verifier, stats, TREE, model.is_end_of_generation, pipelined=True)
+    try:
+        out = [t for chunk in decoder.run(prompt, n, GREEDY) for t in chunk]
+        return out + ([model.eos] if len(out) < n else []), verifier, harness
+    finally:
+        decoder.close()
+        verifier.close()
+        drafter.close()
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["drafter", "pool"])
+def test_a_used_prepared_tree_is_the_tree_drafted_at_the_step(smol_model, prompt, pooled):
+    """Pipelined decoding where the answer always arrives first. Every prepared tree that goes out
+    is the tree an uninterrupted drafter makes: the same, step by step, as in a run whose drafting
+    ahead is never cut, and as large and deep as a fresh drafter's at the step from the same context
+    (before the fix they went out one depth deep: 4 nodes). Output stays the target's greedy output."""
+    out, sent, harness = decode_ahead(smol_model, prompt, pooled, answer_first=True)
+    whole_out, whole_sent, _ = decode_ahead(smol_model, prompt, pooled, answer_first=False)
+    prepared = [s for s in sent.sent if s[3]]
+    assert len(prepared) >= 3 and harness.ahead >= len(prepared)
+    assert out == whole_out
+    assert [s[:3] for s in sent.sent] == [s[:3] for s in whole_sent.sent]
+
+    plain = Drafter(smol_model, CONFIG)
+    at_step = DraftPool([ModelExpert.around("draft", plain), LookupExpert()]) if pooled else plain
+    try:
+        for context, tokens, parents, _ in prepared:
+            fresh = at_step.grow(context, TREE, GREEDY, 0)
+            assert len(tokens) == len(fresh.tree) == TREE.budget + 1
+            assert max(TokenTree(tokens, parents).depths) == max(fresh.tree.depths)
+    finally:
+        plain.close()
+    assert_lossless(out, target_only_greedy(smol_model, prompt, 40), "drafted ahead")

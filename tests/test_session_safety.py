@@ -20,7 +20,8 @@ from edgespec.common.errors import (
     SessionBusyError,
     SessionClosedError,
 )
-from edgespec.edge.session import default_threads
+from edgespec.edge.session import available_cpus, default_threads
+from grpc_helpers import ServerProcess
 
 SMALL = TreeShape(budget=8, max_depth=4, branching=4, width=4)   # the issue's reproduction shape
 PROMPT = "List three fruits."
@@ -182,15 +183,34 @@ def test_tau_counts_target_steps_not_emitted_tokens(smol_path):
 
 
 @pytest.mark.parametrize("cpus,remote,expected", [
-    (1, False, (1, 1)), (2, False, (1, 1)), (2, True, (1, 1)), (4, True, (3, 1)),
-    (8, False, (2, 5)), (8, True, (4, 3)), (64, False, (4, 59)), (64, True, (4, 59)),
+    (1, False, (1, 1)), (2, False, (1, 1)), (8, False, (2, 5)), (64, False, (4, 59)),
+    (1, True, (1, 1)), (2, True, (2, 1)), (4, True, (4, 2)), (8, True, (8, 5)), (64, True, (64, 59)),
 ])
-def test_default_threads_leave_a_core_free(cpus, remote, expected):
+def test_default_threads_follow_the_mode(cpus, remote, expected):
     draft, target = default_threads(remote, cpus)
     assert (draft, target) == expected
-    # A core stays free where there is one to spare: for the drafter in remote mode, for both models
-    # (which run at the same time) otherwise. The remote mode's fallback target gets at least one.
-    assert (draft if remote else draft + target) <= max(1 if remote else 2, cpus - 1)
+    if remote:   # the edge only drafts: every core; the fallback target gets the target's local share
+        assert draft == cpus and target == default_threads(False, cpus)[1]
+    else:        # both models at once: a core stays free where there is one to spare
+        assert draft + target <= max(2, cpus - 1)
+
+
+def test_remote_session_drafts_on_every_core(smol_path):
+    """With a verifier elsewhere the drafter's llama.cpp context gets every core of this machine
+    (issue 10: it had one on the 2-core box), and a local session splits them."""
+    import llama_cpp as C
+
+    cpus = available_cpus()
+    server = ServerProcess(smol_path, "--n-ctx", "512", "--threads", "1")
+    try:
+        with EdgeSession(smol_path, smol_path, verifier=server.address, fallback=False, tree=SMALL, n_ctx=256) as s:
+            assert s.threads["draft"] == cpus == C.llama_n_threads(s.drafter.ctx._ctx)
+            assert s.chat("Say hi.", max_tokens=4)
+    finally:
+        server.stop()
+    with EdgeSession(smol_path, smol_path, local=True, tree=SMALL, n_ctx=256) as s:
+        assert (s.threads["draft"], s.threads["target"]) == default_threads(False, cpus)
+        assert C.llama_n_threads(s.drafter.ctx._ctx) == s.threads["draft"]
 
 
 def test_threads_and_gpu_layers_reach_llama_cpp(smol_path):

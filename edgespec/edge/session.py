@@ -64,18 +64,19 @@ def available_cpus() -> int:
 def default_threads(remote: bool, cpus: int | None = None) -> tuple[int, int]:
     """(draft, target) llama.cpp threads when the caller sets none.
 
-    One core stays free for the decode loop, gRPC and the verify thread: llama.cpp's workers spin
-    while they wait, so models that take every core stall whatever else needs one (on the 2-core
-    CI VM, two threads per model stalled under load). Remote mode: the target runs elsewhere, so
-    the drafter takes up to 4 of the remaining cores (a small model gains little beyond); local and
-    bundled modes: the target verifies here while the drafter drafts ahead, so the drafter gets a
-    quarter of the cores (1 to 4) and the target the rest. The local target of remote mode (the
-    fallback) gets what the drafter leaves. Never less than 1.
+    Remote mode: the target runs elsewhere and the edge does nothing but draft (the decode loop's
+    Python runs between drafting calls, on llama.cpp's calling thread; the verify thread waits on
+    the network), so the drafter takes every core. Local and bundled modes: both models run here at
+    once (the target verifies while the drafter drafts ahead), and llama.cpp's workers spin while
+    they wait, so two models on every core stall each other (on the 2-core CI VM, two threads per
+    model stalled under load): one core stays free, the drafter gets a quarter of the cores (1 to 4)
+    and the target the rest. The local target of remote mode (the fallback) gets the target's local
+    share. Never less than 1.
     """
     cpus = cpus or available_cpus()
-    spare = max(1, cpus - 1)
-    draft = min(4, spare) if remote else max(1, min(4, cpus // 4))
-    return draft, max(1, spare - draft)
+    local_draft = max(1, min(4, cpus // 4))
+    target = max(1, cpus - 1 - local_draft)
+    return (cpus if remote else local_draft), target
 
 
 def default_gpu_layers() -> int:
@@ -146,7 +147,7 @@ class EdgeSession:
 
         Hardware: `draft_threads`/`target_threads` are llama.cpp threads of the draft and of this
         device's copy of the target (local mode, the bundled verifier, the fallback); None picks
-        per mode (default_threads: remote mode gives the drafter up to 4 cores). `*_gpu_layers`
+        per mode (default_threads: remote mode gives the drafter every core). `*_gpu_layers`
         offload layers to a GPU build of llama.cpp (-1: all); None: all layers when the build can
         offload, else none. `n_ctx` is the context window in tokens (prompt + answer); it must hold
         at least one step's tree, and an answer stops early (finish_reason "context_full") when

@@ -469,8 +469,11 @@ class EdgeSession:
         messages = list(messages)
         if self.privacy is not None:   # everything tokenised (draft and verifier) is masked text
             messages = self.privacy.mask_messages(messages)
-        users = [m.get("content", "") for m in messages if m.get("role", "user") == "user"] or [messages[-1]["content"]]
-        turn = (users[-1], users[-2::-1][:RECENT_TURNS])   # the request, earlier user turns most recent first
+        turn = None
+        if self._routed is not None:   # the request and the earlier user turns, most recent first
+            users = [m.get("content", "") for m in messages if m.get("role", "user") == "user"]
+            users = users or [messages[-1].get("content", "")]
+            turn = (users[-1], users[-2::-1][:RECENT_TURNS])
         chunks = self._request(lambda: self.draft_model.chat_tokens(messages), max_tokens, sampling, as_text=True,
                                turn=turn)
         if self.privacy is not None:   # placeholders back to values, on this device only

@@ -4,20 +4,32 @@ Placement: rendezvous hashing is stable across Fleet objects and least-loaded pl
 replicas' open streams (Info). Failover: the replica serving a session is SIGKILLed mid-generation;
 the session moves to the other replica (Open + Sync of the decoder's committed context) and
 finishes with exactly the target's greedy output, no local fallback involved (fallback=False), and
-the time from the kill to the next committed token is measured.
+the time from the kill to the next committed token is measured. Load signals: a replica kept busy by
+other clients reports its queue time in every answer; the edge's planner picks smaller trees for it,
+the fleet's metrics show it, and a new session goes to the idle replica.
 """
 from __future__ import annotations
 
+import copy
+import sys
+import threading
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from edgespec import EdgeSession
+from edgespec.common.sampling import SamplingParams
+from edgespec.common.tree import TokenTree
 from edgespec.edge.fleet import Fleet, FleetLink, hrw_score, is_fleet_spec, parse_fleet
-from edgespec.edge.link import Deadline
+from edgespec.edge.link import Deadline, Link
 from failover_helpers import MAX_TOKENS, N_CTX, PROMPT, SHAPE, Recorder, check_run, fo_stats, pull
 from grpc_helpers import ServerProcess
 from lossless import target_only_greedy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import netrelay  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +128,6 @@ def test_directory_url_lists_replicas_and_is_reread(replicas):
     address)."""
     import http.server
     import json
-    import threading
 
     listed = {"replicas": [replicas[0].address]}
 
@@ -144,3 +155,109 @@ def test_directory_url_lists_replicas_and_is_reread(replicas):
         assert fleet.place("robot-7").address == replicas[1].address
     finally:
         httpd.shutdown()
+
+
+def test_a_loaded_replica_shrinks_the_planners_trees_and_shows_in_the_fleet_metrics(smol_path, smol_model):
+    """Load signals end to end: other clients keep the session's replica busy; its queue time comes
+    back in every Verified, the edge's real planner (no fixed tree) sees it and picks smaller trees
+    than the same planner would without the queue, the fleet's metrics show the load, and a new
+    session is placed on the idle replica."""
+    servers = [ServerProcess(smol_path, "--n-ctx", str(N_CTX), "--threads", "1") for _ in range(2)]
+    relays = [netrelay.RelayThread(("127.0.0.1", s.port), ("127.0.0.1", 0), delay_up_ms=20, delay_down_ms=20)
+              for s in servers]
+    stop = threading.Event()
+    loaders: list[threading.Thread] = []
+    session = None
+    try:
+        nets = [r.start() for r in relays]
+        addrs = [f"127.0.0.1:{net.address[1]}" for net in nets]
+        spec = ",".join(addrs)
+        session = EdgeSession(smol_path, smol_path, verifier=spec, n_ctx=N_CTX, fallback=False,
+                              session_id="robot-load", draft_threads=1)
+        planner, link = session.decoder.planner, session.failover.link
+        assert planner is not None  # no fixed tree: the planner sizes every tree
+        home = addrs.index(link.address)
+        sent: list[tuple[int, float]] = []  # (drafted nodes sent, queue_s) per step
+        observe = planner.observe
+
+        def spy(obs):
+            sent.append((obs.nodes, obs.queue_s))
+            observe(obs)
+
+        planner.observe = spy
+        # A long round trip (set once connected) makes drafted nodes worth their cost on an idle replica.
+        nets[home].set_delay(600, 600)
+        session.chat("Explain, step by step and in detail, how a computer boots.", max_tokens=40)
+        idle, at_idle = list(sent), copy.deepcopy(planner)
+
+        def load(seed: int) -> None:  # another client on the same replica: 32-node trees, back to back
+            other = Link(servers[home].address, tokenizer_hash=smol_model.tokenizer_fingerprint(), timeout_s=120)
+            rng, context, step = np.random.default_rng(seed), [1, 2, 3], 0
+            try:
+                while not stop.is_set():
+                    tree = TokenTree.chain(context[-1], rng.integers(100, 40000, 32).tolist())
+                    context = context + list(other.verify(context, tree, SamplingParams(), step).tokens)
+                    step += 1
+            finally:
+                other.close()
+
+        loaders = [threading.Thread(target=load, args=(i,), daemon=True) for i in range(2)]
+        for t in loaders:
+            t.start()
+        session.chat("Write a detailed essay about the history of the printing press.", max_tokens=28)
+        busy = sent[len(idle):]
+        nets[home].set_delay(20, 20)
+
+        # the replica reported its queue in every answer, and the planner took it in
+        assert np.mean([q for _, q in idle]) < 0.1 and np.mean([q for _, q in busy[-4:]]) > 0.5, (idle, busy)
+        snap = planner.snapshot()
+        assert snap["verifier_queue_ms"] > 300 and snap["load_factor"] > 1.2, snap
+        # Smaller trees because of the queue: the planner as it was on the idle replica, given the queue
+        # it measured on the busy one (nothing else changed), rates every bigger tree lower against
+        # the smallest drafted one (chain2) and never chooses a bigger tree; a strictly smaller one
+        # whenever it drafted more than chain2 on the idle replica (on this CPU it often settles on
+        # chain2 even then: drafting one depth costs 130-400 ms here).
+        queued = copy.deepcopy(at_idle)
+        queued.queue_s = planner.queue_s
+        for p in (at_idle, queued, planner):
+            p.explore_every = 10 ** 9
+        free, loaded, now = at_idle.choose(), queued.choose(), planner.choose()
+
+        def rates(p) -> np.ndarray:
+            return np.array([p.expected_tokens(i) / p.step_seconds(sh.budget, sh.max_depth if sh.budget else 0)
+                             for i, sh in enumerate(p.ladder)])
+
+        ratio_free, ratio_loaded = rates(at_idle)[2:] / rates(at_idle)[1], rates(queued)[2:] / rates(queued)[1]
+        print(f"idle nodes {[n for n, _ in idle]}; busy nodes {[n for n, _ in busy]} (queue "
+              f"{[round(1000 * q) for _, q in busy]} ms); load factor {snap['load_factor']:.2f}; the idle planner "
+              f"chooses {free.label}, {loaded.label} with the measured queue; the busy planner chooses {now.label}; "
+              f"rate of chain4..tree64 / chain2: {ratio_free.round(2)} idle, {ratio_loaded.round(2)} with the queue")
+        print({k: v for k, v in snap.items() if "acceptance" not in k})
+        assert (ratio_loaded < ratio_free).all(), (ratio_free, ratio_loaded)
+        assert loaded.budget <= free.budget, (free, loaded)
+        if free.budget > 2:
+            assert loaded.budget < free.budget, (free, loaded)
+        # and what it sent: the last tree (drafted once the queue was known) is smaller than the idle ones
+        assert busy[-1][0] < np.mean([n for n, _ in idle[2:]]), (idle, busy)
+
+        # the fleet's aggregate metrics show the load, and a new session goes to the idle replica
+        m = link.fleet.metrics()
+        rows = {r["address"]: r for r in m["replicas"]}
+        assert rows[addrs[home]]["open_streams"] == 3 and rows[addrs[home]]["edge_queue_ms"] > 300, m
+        assert m["totals"]["max_edge_queue_ms"] == rows[addrs[home]]["edge_queue_ms"] and m["totals"]["edge_steps"] \
+            == len(sent), m["totals"]
+        # a new session whose hash prefers the busy replica is placed on the idle one
+        key = next(k for k in (f"robot-{n}" for n in range(1000))
+                   if max(addrs, key=lambda a: hrw_score(k, a)) == addrs[home])
+        assert link.fleet.place(key).address == addrs[1 - home]
+        print(f"fleet totals: {m['totals']}")
+    finally:
+        stop.set()
+        for t in loaders:
+            t.join(30)
+        if session is not None:
+            session.close()
+        for r in relays:
+            r.stop()
+        for s in servers:
+            s.stop()

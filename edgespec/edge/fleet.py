@@ -270,13 +270,24 @@ class Fleet:
 
     # -- aggregate metrics ---------------------------------------------------------------------------
     def metrics(self, timeout_s: float = 5.0) -> dict:
-        """Every replica's Info plus what this edge saw, and fleet totals (a dead replica counts as down)."""
+        """Every replica's Info plus what this edge saw, and fleet totals (a dead replica counts as down).
+
+        Load, as this edge's sessions saw it in every Verified (the replica's queue and compute time
+        per request, EWMA): per replica, and in the totals the step-weighted mean over the replicas
+        and the worst queue, the figures an autoscaler or an operator compares with a target."""
         rows, totals = [], {"replicas": 0, "up": 0, "open_streams": 0, "live_sessions": 0, "max_sessions": 0,
                             "verifies": 0, "evictions": 0, "resyncs": 0, "prefix_hits": 0}
+        with self._lock:
+            seen = [(r.steps, r.queue_ms, r.compute_ms) for r in self._replicas.values() if r.steps]
+        steps = sum(n for n, _, _ in seen)
+        totals.update(edge_steps=steps,
+                      edge_queue_ms=round(sum(n * q for n, q, _ in seen) / steps, 2) if steps else 0.0,
+                      edge_compute_ms=round(sum(n * c for n, _, c in seen) / steps, 2) if steps else 0.0,
+                      max_edge_queue_ms=round(max((q for _, q, _ in seen), default=0.0), 2))
         for r in sorted(self.replicas, key=lambda r: r.address):
             row = {"address": r.address, "up": False, "edge_sessions": r.sessions, "edge_failures": r.failures,
-                   "edge_queue_ms": round(r.queue_ms, 2), "edge_compute_ms": round(r.compute_ms, 2),
-                   "last_error": r.last_error}
+                   "edge_steps": r.steps, "edge_queue_ms": round(r.queue_ms, 2),
+                   "edge_compute_ms": round(r.compute_ms, 2), "load": round(r.load, 3), "last_error": r.last_error}
             try:
                 i = self.info(r.address, timeout_s)
             except Exception as exc:  # noqa: BLE001 - reported, not raised

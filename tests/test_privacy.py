@@ -104,6 +104,23 @@ def test_presidio_all_caps_names(presidio: Masker) -> None:
     assert "ERROR WORKER" not in masked_values(presidio, "ERROR WORKER FAILED at startup")
 
 
+def test_a_chat_history_is_analysed_once(presidio: Masker) -> None:
+    """Each turn re-sends the history: texts already analysed come from the analyzer's cache, so
+    only new text pays for spaCy (docs/BENCHMARKS.md, per chat turn)."""
+    history = [{"role": "user", "content": "Please write to John Smith about the invoice."},
+               {"role": "assistant", "content": "Sure. Shall I copy Maria Garcia as well?"}]
+    first = presidio.mask_messages(history)
+    assert "John Smith" not in str(first) and "Maria Garcia" not in str(first)
+    engine = presidio._ner.analyzer.nlp_engine
+    nlp, engine.nlp = engine.nlp, {}   # the real engine, broken: any text it has to analyse fails
+    try:
+        assert presidio.mask_messages(history) == first
+        with pytest.raises(PrivacyError, match="strict"):
+            presidio.mask_messages([*history, {"role": "user", "content": "Yes, and Jane Doe too."}])
+    finally:
+        engine.nlp = nlp
+
+
 def test_configurable_entities() -> None:
     masker = Masker("patterns", entities=["EMAIL_ADDRESS"])
     assert masker.mask("a@b.io 13812345678") == "[EMAIL_1] 13812345678"

@@ -6,6 +6,9 @@
   prompt (built from the labelled set's texts), with the spaCy model ("presidio") and with the
   pattern recognizers only ("patterns"); one thread (OMP/BLAS pinned to 1), after a warm-up; wall
   time and the calling thread's CPU time (what one free core would take on a loaded machine).
+  Also per 40-word English message (a typical chat message), and per chat turn: `mask_messages`
+  over a 6-turn history of ~40-word messages, turns 2-6 (the analyzer caches texts it has seen,
+  so only the new message is analysed; --no-ner-cache measures the code before that cache).
 - quality on tests/data/pii_labelled.jsonl (tools/pii_dataset.py): an entity is recalled when the
   masked spans cover all of its characters (type ignored: what matters is that the value does not
   leave); a masked span is a true positive when it overlaps a labelled entity. Every text gets a
@@ -77,21 +80,21 @@ def quality(masker: Masker, rows: list[dict]) -> dict:
     return out
 
 
-def prompts(rows: list[dict], lang: str, n: int, seed: int = 5) -> list[str]:
-    """n prompts of >= 200 words (English) or >= 300 characters (Chinese) from the set's texts."""
+def prompts(rows: list[dict], lang: str, n: int, seed: int = 5, words: int = 200) -> list[str]:
+    """n prompts of >= `words` words (English) or >= 1.5 x `words` characters (Chinese) from the set's texts."""
     rng = random.Random(seed)
     pool = [r["text"] for r in rows if r["lang"] == lang]
     out = []
     for _ in range(n):
         parts: list[str] = []
-        while (len(" ".join(parts).split()) < 200) if lang == "en" else (len("".join(parts)) < 300):
+        while (len(" ".join(parts).split()) < words) if lang == "en" else (len("".join(parts)) < 1.5 * words):
             parts.append(rng.choice(pool))
         out.append((" " if lang == "en" else "").join(parts))
     return out
 
 
-def latency(masker: Masker, texts: list[str]) -> dict:
-    for text in texts[:3]:
+def latency(masker: Masker, texts: list[str], warm_up: list[str]) -> dict:
+    for text in warm_up:   # texts of their own: the analyzer caches what it has seen
         masker.mask(text)
     times, cpu = [], []
     for text in texts:
@@ -149,6 +152,25 @@ def e2e(max_tokens: int, repeats: int) -> dict:
                 "mask_share_of_wall": round(t["mask_s"] / t["seconds"], 4)} for m, t in totals.items()}
 
 
+def chat_turns(masker: Masker, rows: list[dict], turns: int = 6, chats: int = 8) -> dict:
+    """A chat re-sends its history every turn: the cost of `mask_messages` per turn from the
+    second one on (user messages and assistant answers of ~40 words each, English)."""
+    cpu = []
+    for c in range(chats):
+        user, answer = prompts(rows, "en", turns, seed=100 + c, words=40), prompts(rows, "en", turns, seed=200 + c, words=40)
+        masker.vault = Vault()
+        history: list[dict[str, str]] = []
+        for t in range(turns):
+            history.append({"role": "user", "content": user[t]})
+            started = time.thread_time()
+            masker.mask_messages(history)
+            if t:
+                cpu.append((time.thread_time() - started) * 1000)
+            history.append({"role": "assistant", "content": answer[t]})
+    return {"turns": len(cpu), "cpu_p50_ms": round(float(np.percentile(cpu, 50)), 2),
+            "cpu_p95_ms": round(float(np.percentile(cpu, 95)), 2)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--latency-prompts", type=int, default=60)
@@ -156,20 +178,30 @@ def main() -> int:
     ap.add_argument("--e2e-max-tokens", type=int, default=64)
     ap.add_argument("--e2e-repeats", type=int, default=2)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--no-ner-cache", action="store_true", help="analyse every text afresh (the code before the cache)")
     args = ap.parse_args()
+    if args.no_ner_cache:
+        from edgespec.edge.privacy.analyzer import PresidioNer
+        PresidioNer.CACHED_TEXTS = 0
     rows = load()
     report: dict = {"dataset": {"texts": len(rows), "entities": sum(len(r["entities"]) for r in rows)},
                     "load_avg": os.getloadavg(), "cpus": os.cpu_count()}
     en, zh = prompts(rows, "en", args.latency_prompts), prompts(rows, "zh", args.latency_prompts)
+    en40 = prompts(rows, "en", args.latency_prompts, seed=7, words=40)
+    warm = prompts(rows, "en", 3, seed=9) + prompts(rows, "zh", 3, seed=9)
     for mode in ("patterns", "presidio"):
         started = time.perf_counter()
         masker = Masker(mode, strict=True)
         report[mode] = {"load_s": round(time.perf_counter() - started, 2),
-                        "latency_en_200_words": latency(masker, en), "latency_zh_300_chars": latency(masker, zh),
+                        "latency_en_200_words": latency(masker, en, warm),
+                        "latency_zh_300_chars": latency(masker, zh, warm),
+                        "latency_en_40_words": latency(masker, en40, warm),
+                        "chat_turn_6x40_words": chat_turns(masker, rows),
                         "quality": quality(masker, rows)}
         q = report[mode]["quality"]
         print(f"{mode}: load {report[mode]['load_s']} s; en {report[mode]['latency_en_200_words']}; "
-              f"zh {report[mode]['latency_zh_300_chars']}", file=sys.stderr)
+              f"zh {report[mode]['latency_zh_300_chars']}; en 40 words {report[mode]['latency_en_40_words']}; "
+              f"chat turn {report[mode]['chat_turn_6x40_words']}", file=sys.stderr)
         print(json.dumps({k: v for k, v in q.items() if k not in ("missed", "false_positives")}), file=sys.stderr)
         print(f"  missed: {q['missed']}\n  false positives: {q['false_positives']}", file=sys.stderr)
     if args.e2e:

@@ -350,3 +350,26 @@ def test_qwen_pair_greedy_json_equals_constrained_target_only(qwen_paths, qwen_m
     if exact and len(out) < n:
         jsonschema.validate(json.loads(target.detokenize(out)), SCHEMA)
     assert tau > 1.5, f"the draft should propose accepted JSON tokens: tau {tau:.2f}"
+
+
+def test_a_verifier_that_does_not_apply_grammars_is_never_sent_one(smol_path) -> None:
+    """A verifier that does not announce Opened.grammar_constraints (an older version, the torch
+    backend) would ignore the field and answer unconstrained: the edge refuses the request instead."""
+    import dataclasses
+
+    from edgespec.edge.session import EdgeSession
+    from edgespec.verifier.llama_backend import LlamaCppBackend
+    from edgespec.verifier.server import VerifierServer
+
+    backend = LlamaCppBackend(smol_path, n_ctx=1024)
+    backend.info = dataclasses.replace(backend.info, grammar_constraints=False)   # what an older verifier says
+    server = VerifierServer(backend, port=0, keepalive_s=0).start()
+    try:
+        with EdgeSession(smol_path, smol_path, verifier=server.address, fallback=False, n_ctx=1024,
+                         tree=TreeShape.chain(2), draft_threads=1) as session:
+            assert session.chat("Say hi.", max_tokens=3)   # plain requests still work
+            with pytest.raises(InvalidRequestError, match="does not apply grammar constraints"):
+                session.chat(ASK, max_tokens=8, response_format=RESPONSE_FORMAT)
+    finally:
+        server.stop()
+        backend.close()

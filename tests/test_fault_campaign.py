@@ -344,7 +344,7 @@ def test_fault_campaign(pair, smol_path, smol_model):
 
 # -- the fleet campaign ------------------------------------------------------------------------------
 FLEET_MAX_TOKENS = 120
-FLEET_DEADLINE_S = 3.0  # a move (two Info calls, Open, a Sync of ~60 tokens) fits in it on a loaded core
+FLEET_DEADLINE_S = 3.0  # room for a move (two Info calls, Open, a Sync of ~60 tokens) and for busy cores
 DEAD_S = 5.0  # Fleet's dead_s: a replica that failed is not chosen again for this long
 
 # Another client holding the full replica's only stream: it must keep working through the campaign.
@@ -383,6 +383,8 @@ def fleet_streams(hub: str, spec: str) -> dict[str, int | None]:
 
 
 def test_fleet_fault_campaign(star, smol_path, smol_model):
+    """Replica faults under a fleet-routed session (module docstring): the topology forces the path
+    home -> second (kill) -> home, restarted (partition) -> second (stall), never the full replica."""
     t0 = time.monotonic()
     marks: dict[str, tuple[int, int, float]] = {}
     recovery: dict[str, tuple[float, float, str]] = {}  # fault -> (s to the next step, s to a live replica's)

@@ -193,9 +193,10 @@ class _GrammarCursor:
         import llguidance
 
         self.vocab = vocab
-        self._matcher = llguidance.LLMatcher(vocab.tokenizer, text, log_level=0)
-        if self._matcher.is_error():
-            raise InvalidRequestError(f"invalid grammar: {self._matcher.get_error().strip()}")
+        self._fresh = llguidance.LLMatcher(vocab.tokenizer, text, log_level=0)
+        if self._fresh.is_error():
+            raise InvalidRequestError(f"invalid grammar: {self._fresh.get_error().strip()}")
+        self._matcher = self._fresh.deep_copy()
         self._consumed: list[int] = []
         self._masks: OrderedDict[tuple[int, ...], np.ndarray | None] = OrderedDict()
         self._lock = threading.Lock()
@@ -216,7 +217,10 @@ class _GrammarCursor:
         m = self._matcher
         keep = common_prefix_length(self._consumed, answer)
         if keep < len(self._consumed):
-            m.rollback(len(self._consumed) - keep)
+            if not m.rollback(len(self._consumed) - keep):   # refused: start again from the compiled grammar
+                self._matcher = m = self._fresh.deep_copy()
+                if keep and not m.consume_tokens(self._consumed[:keep]):
+                    raise InvalidRequestError(f"grammar: {m.get_error().strip()}")
             del self._consumed[keep:]
         rest = list(answer[keep:])
         valid = m.validate_tokens(rest) if rest else 0   # never consume a bad token: errors are final
@@ -233,7 +237,8 @@ class _GrammarCursor:
 
 @dataclass(frozen=True)
 class TokenConstraint:
-    """Banned token sequences; `mask(context)` is the set of token ids the next position may not take."""
+    """Banned token sequences and/or a grammar; `apply(logits, context)` masks what the next
+    position may not take (`mask(context)`: the banned ids, `allowed(context)`: the grammar's)."""
 
     banned: tuple[tuple[int, ...], ...] = ()
     grammar: Grammar | None = None   # what the answer must match (see the module docstring)

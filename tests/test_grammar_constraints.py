@@ -265,7 +265,7 @@ def test_json_schema_through_a_real_verifier(smol_path, smol_model) -> None:
     shape = TreeShape(budget=8, max_depth=4, branching=2, width=2)
     server = ServerProcess(smol_path, "--n-ctx", "1024", "--threads", "1", token="c")
     try:
-        assert server.info().backend.startswith("llama")
+        assert server.info().backend.startswith("llama") and server.info().grammar_constraints
         with EdgeSession(smol_path, smol_path, verifier=server.address, token="c", fallback=False, n_ctx=1024,
                          tree=shape, draft_threads=1) as remote, \
                 EdgeSession(smol_path, smol_path, local=True, n_ctx=1024, tree=shape,

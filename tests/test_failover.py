@@ -22,7 +22,7 @@ from edgespec.edge.failover import Breaker, FailoverVerifier, LocalFallback
 from edgespec.runtime.llama import ContextConfig
 from grpc_helpers import ServerProcess
 from failover_helpers import (MAX_TOKENS, N_CTX, PROBE_S, PROMPT, SHAPE, Recorder, assert_targets_choices,
-                              check_run, fo_stats, pull)
+                              check_output, check_run, fo_stats, pull)
 from lossless import GREEDY, assert_lossless, target_only_greedy
 from netlab import wait_for
 
@@ -107,6 +107,24 @@ def test_sigkill_goes_local_and_restart_reattaches(smol_path, smol_model, refere
     finally:
         session.close()
         srv.stop()
+
+
+def test_a_link_of_400_ms_each_way_connects_and_verifies(server, smol_path, smol_model, prompt_tokens, reference):
+    """A slow link (800 ms round trip) is still a link: the first contact and every step go through
+    it. gRPC's connect timeout was once the 250 ms reconnect backoff (link.CHANNEL_OPTIONS), and
+    such a link never connected."""
+    with netrelay.RelayThread(("127.0.0.1", server.port), delay_up_ms=400, delay_down_ms=400) as relay:
+        session = session_for(smol_path, f"127.0.0.1:{relay.address[1]}", [], deadline_s=20.0, fallback=False)
+        rec = Recorder(session)
+        try:
+            chunks = list(session.chat(PROMPT, stream=True, max_tokens=6))
+            fo = fo_stats(session)
+            assert fo["mode"] == "remote" and fo["local_steps"] == 0 and fo["remote_steps"] >= 1, fo
+            assert session.stats.link.mean_rtt_ms >= 700, session.stats.link.summary()
+            check_output(smol_model, prompt_tokens, rec.tokens, chunks, session.decoder.committed, reference,
+                         "400 ms each way", 6, SHAPE.max_depth)
+        finally:
+            session.close()
 
 
 def test_stalled_link_goes_local_within_the_deadline(server, smol_path, smol_model, reference):

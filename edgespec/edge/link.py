@@ -70,7 +70,11 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.initial_reconnect_backoff_ms", 250),  # a restarted verifier is found again quickly
-    ("grpc.min_reconnect_backoff_ms", 250),
+    # gRPC's MIN_CONNECT_TIMEOUT (doc/connection-backoff.md): how long one connection attempt may take
+    # (TCP + TLS + the HTTP/2 settings exchange, several round trips). At 250 ms a link slower than
+    # ~250 ms one way (satellite, a congested cellular uplink) never finished connecting. A refused
+    # connection still fails at once and is retried after the 250 ms initial backoff.
+    ("grpc.min_reconnect_backoff_ms", 10_000),
     ("grpc.max_reconnect_backoff_ms", 3000),
 ]
 

@@ -184,27 +184,27 @@ def test_tau_counts_target_steps_not_emitted_tokens(smol_path):
 
 @pytest.mark.parametrize("cpus,remote,expected", [
     (1, False, (1, 1)), (2, False, (1, 1)), (8, False, (2, 5)), (64, False, (4, 59)),
-    (1, True, (1, 1)), (2, True, (2, 1)), (4, True, (4, 2)), (8, True, (8, 5)), (64, True, (64, 59)),
+    (1, True, (1, 1)), (2, True, (1, 1)), (4, True, (3, 2)), (8, True, (7, 5)), (64, True, (8, 59)),
 ])
 def test_default_threads_follow_the_mode(cpus, remote, expected):
     draft, target = default_threads(remote, cpus)
     assert (draft, target) == expected
-    if remote:   # the edge only drafts: every core; the fallback target gets the target's local share
-        assert draft == cpus and target == default_threads(False, cpus)[1]
+    if remote:   # the edge only drafts: every core but one (up to 8); the fallback gets the target's local share
+        assert draft == max(1, min(8, cpus - 1)) and target == default_threads(False, cpus)[1]
     else:        # both models at once: a core stays free where there is one to spare
         assert draft + target <= max(2, cpus - 1)
 
 
-def test_remote_session_drafts_on_every_core(smol_path):
-    """With a verifier elsewhere the drafter's llama.cpp context gets every core of this machine
-    (issue 10: it had one on the 2-core box), and a local session splits them."""
+def test_remote_session_drafts_on_every_core_but_one(smol_path):
+    """With a verifier elsewhere the drafter's llama.cpp context gets every core but one (up to 8),
+    and a local session splits them."""
     import llama_cpp as C
 
     cpus = available_cpus()
     server = ServerProcess(smol_path, "--n-ctx", "512", "--threads", "1")
     try:
         with EdgeSession(smol_path, smol_path, verifier=server.address, fallback=False, tree=SMALL, n_ctx=256) as s:
-            assert s.threads["draft"] == cpus == C.llama_n_threads(s.drafter.ctx._ctx)
+            assert s.threads["draft"] == default_threads(True, cpus)[0] == C.llama_n_threads(s.drafter.ctx._ctx)
             assert s.chat("Say hi.", max_tokens=4)
     finally:
         server.stop()

@@ -64,19 +64,20 @@ def available_cpus() -> int:
 def default_threads(remote: bool, cpus: int | None = None) -> tuple[int, int]:
     """(draft, target) llama.cpp threads when the caller sets none.
 
-    Remote mode: the target runs elsewhere and the edge does nothing but draft (the decode loop's
-    Python runs between drafting calls, on llama.cpp's calling thread; the verify thread waits on
-    the network), so the drafter takes every core. Local and bundled modes: both models run here at
-    once (the target verifies while the drafter drafts ahead), and llama.cpp's workers spin while
-    they wait, so two models on every core stall each other (on the 2-core CI VM, two threads per
-    model stalled under load): one core stays free, the drafter gets a quarter of the cores (1 to 4)
-    and the target the rest. The local target of remote mode (the fallback) gets the target's local
-    share. Never less than 1.
+    llama.cpp's workers spin while they wait for each other, so threads that outnumber the free
+    cores stall: one core always stays free for the decode loop, gRPC, the app, and whatever else
+    shares the machine. (Remote mode on every core stalled the fault campaign on the 2-core CI VM: the
+    edge's drafter spun on both cores beside its fallback target and a verifier; every step took
+    seconds.) Remote mode: the target runs elsewhere and the edge only drafts, so the drafter takes
+    the rest, up to 8 (a draft model gains little beyond); it had at most 4 before (issue 10). Local
+    and bundled modes: both models run at once (the target verifies while the drafter drafts ahead):
+    the drafter gets a quarter of the cores (1 to 4) and the target the rest. The local target of
+    remote mode (the fallback) gets the target's local share. Never less than 1.
     """
     cpus = cpus or available_cpus()
     local_draft = max(1, min(4, cpus // 4))
     target = max(1, cpus - 1 - local_draft)
-    return (cpus if remote else local_draft), target
+    return (max(1, min(8, cpus - 1)) if remote else local_draft), target
 
 
 def default_gpu_layers() -> int:
@@ -147,7 +148,7 @@ class EdgeSession:
 
         Hardware: `draft_threads`/`target_threads` are llama.cpp threads of the draft and of this
         device's copy of the target (local mode, the bundled verifier, the fallback); None picks
-        per mode (default_threads: remote mode gives the drafter every core). `*_gpu_layers`
+        per mode (default_threads: remote mode gives the drafter every core but one, up to 8). `*_gpu_layers`
         offload layers to a GPU build of llama.cpp (-1: all); None: all layers when the build can
         offload, else none. `n_ctx` is the context window in tokens (prompt + answer); it must hold
         at least one step's tree, and an answer stops early (finish_reason "context_full") when

@@ -120,6 +120,13 @@ def alive(pid: int) -> bool:
         return False
 
 
+def sigint_as_in_a_terminal() -> None:
+    """The child gets SIGINT's default disposition, as a program started from a terminal does. A
+    test run launched as a background job of a shell script (SIGINT ignored, inherited) would
+    otherwise start `edgespec run` with Ctrl-C ignored, which it then rightly keeps ignoring."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("moment", ["importing", "loading", "first token", "mid-answer", "twice", "twice while closing",
                                     "bundled verifier"])
 def test_cli_run_ctrl_c_keeps_the_answer_and_exits_130(smol_path, busy_loops, moment):
@@ -131,7 +138,8 @@ def test_cli_run_ctrl_c_keeps_the_answer_and_exits_130(smol_path, busy_loops, mo
     mode = [] if moment == "bundled verifier" else ["--local"]
     proc = subprocess.Popen([sys.executable, "-m", "edgespec", "run", "Write a long story about a robot.", *mode,
                              "--draft", str(smol_path), "--target", str(smol_path), "--max-tokens", "4000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=sigint_as_in_a_terminal)
     children, first = [], ""
     try:
         if moment in ("importing", "loading"):   # llama.cpp mapped; the model file mapped (loading, prefill)

@@ -236,15 +236,23 @@ class CtrlC:
         self._previous: object = None
 
     def __enter__(self) -> "CtrlC":
-        if threading.current_thread() is threading.main_thread():   # signals go to the main thread only
+        # Signals go to the main thread only. A process started with SIGINT ignored (a background job
+        # of a shell script, nohup) keeps ignoring it, as it did while importing: POSIX's convention
+        # that a terminal's Ctrl-C is not for background jobs.
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        # Once Ctrl-C was pressed the process is on its way out (exit 130): keep this handler, so a second
-        # Ctrl-C during shutdown (session close, thread joins, interpreter exit) still exits 130 at once
-        # instead of dying of SIGINT with Python's restored default handler.
-        if self._previous is not None and not self.pressed:
+        if self._previous is None:
+            return
+        if self.pressed:
+            # Ctrl-C was pressed and the session is closed: the process is on its way out (exit 130).
+            # Ignore SIGINT from here on: a Python handler, ours or the restored default, is reset to
+            # SIG_DFL while the interpreter finalizes, and a second Ctrl-C landing then killed the
+            # process by SIGINT instead of exit 130 (seen in CI); SIG_IGN is left alone there.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        else:
             signal.signal(signal.SIGINT, self._previous)
 
     def defer(self) -> None:

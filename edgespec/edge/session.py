@@ -66,13 +66,13 @@ def default_threads(remote: bool, cpus: int | None = None) -> tuple[int, int]:
 
     llama.cpp's workers spin while they wait for each other, so threads that outnumber the free
     cores stall: one core always stays free for the decode loop, gRPC, the app, and whatever else
-    shares the machine. (Remote mode on every core stalled the fault campaign on the 2-core CI VM: the
-    edge's drafter spun on both cores beside its fallback target and a verifier; every step took
-    seconds.) Remote mode: the target runs elsewhere and the edge only drafts, so the drafter takes
-    the rest, up to 8 (a draft model gains little beyond); it had at most 4 before (issue 10). Local
-    and bundled modes: both models run at once (the target verifies while the drafter drafts ahead):
-    the drafter gets a quarter of the cores (1 to 4) and the target the rest. The local target of
-    remote mode (the fallback) gets the target's local share. Never less than 1.
+    shares the machine. Remote mode: the target runs elsewhere and the edge only drafts, so the
+    drafter takes every core but that one, up to 8 (a draft model gains little beyond); the free
+    core matters here too, since the drafter's spinning workers would otherwise stall a fallback
+    target or a verifier sharing the cores. Local and bundled modes: both models run at once (the
+    target verifies while the drafter drafts ahead): the drafter gets a quarter of the cores (1 to
+    4) and the target the rest. The local target of remote mode (the fallback) gets the target's
+    local share. Never less than 1.
     """
     cpus = cpus or available_cpus()
     local_draft = max(1, min(4, cpus // 4))

@@ -11,9 +11,13 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from edgespec.cli import CliError
 from edgespec.common.sampling import AcceptanceRule
+
+if TYPE_CHECKING:
+    from edgespec.common.constraints import Grammar
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -86,8 +90,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def response_format_of(args: argparse.Namespace) -> dict | None:
-    """--json-schema / --grammar as a chat() response_format, checked before any model loads."""
+def response_format_of(args: argparse.Namespace) -> Grammar | None:
+    """--json-schema / --grammar compiled for chat()'s response_format, before any model loads (once:
+    chat() takes the compiled Grammar as it is)."""
     from edgespec.common.constraints import Grammar
     from edgespec.common.errors import InvalidRequestError
 
@@ -107,10 +112,9 @@ def response_format_of(args: argparse.Namespace) -> dict | None:
     else:
         response_format = {"type": "grammar", "grammar": text}
     try:
-        Grammar.from_response_format(response_format)
+        return Grammar.from_response_format(response_format)
     except InvalidRequestError as exc:
         raise CliError(f"{path}: {exc}") from None
-    return response_format
 
 
 def run(args: argparse.Namespace) -> int:

@@ -434,7 +434,7 @@ class EdgeSession:
              top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
              sampling_rule: AcceptanceRule | str = AcceptanceRule.TARGET_SAMPLE,
              banned_phrases: Sequence[str] = (),
-             response_format: Mapping[str, Any] | None = None) -> str | Iterator[str]:
+             response_format: Mapping[str, Any] | Grammar | None = None) -> str | Iterator[str]:
         """Answer a prompt or a list of {"role", "content"} messages; stream=True yields text chunks.
 
         Sampling (temperature > 0) is exact whatever the tree: `sampling_rule` "target-sample"
@@ -447,7 +447,8 @@ class EdgeSession:
         "grammar": LARK_OR_GBNF}, {"type": "regex", "regex": ...}) makes the answer match it: the
         same mask allows only the tokens that keep the answer a prefix of a match (then end of
         generation), so the output is the target's own constrained output. An answer cut short by
-        max_tokens is an unfinished match.
+        max_tokens is an unfinished match. A `Grammar` already built from a response_format is used
+        as it is (not compiled again).
         """
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
@@ -461,7 +462,8 @@ class EdgeSession:
         if banned_phrases:
             constraint = TokenConstraint.from_phrases(
                 banned_phrases, lambda text: self.draft_model.tokenize(text, add_special=False, parse_special=False))
-        grammar = Grammar.from_response_format(response_format) if response_format is not None else None
+        grammar = (response_format if isinstance(response_format, Grammar) or response_format is None
+                   else Grammar.from_response_format(response_format))
         if grammar is not None:
             constraint = dataclasses.replace(constraint or TokenConstraint(), grammar=grammar)
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, rule=sampling_rule,

@@ -27,6 +27,9 @@ from edgespec.common.sampling import SamplingParams
 from edgespec.edge.drafting import TreeShape
 from edgespec.edge.session import EdgeSession
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_local import add_model_args  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {"tree16": TreeShape(budget=16, max_depth=6, branching=4, width=4), "chain4": TreeShape.chain(4)}
 PROMPTS = [
@@ -69,8 +72,7 @@ def run_mode(session: EdgeSession, ahead: bool, prompts: list[str], max_tokens: 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--draft", default="draft")
-    ap.add_argument("--target", default="target")
+    add_model_args(ap)
     ap.add_argument("--shape", default="tree16", choices=sorted(SHAPES))
     ap.add_argument("--prompts", type=int, default=2, help=f"the first N of {len(PROMPTS)} built-in prompts")
     ap.add_argument("--max-tokens", type=int, default=48)

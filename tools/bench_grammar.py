@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_local import add_model_args  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -132,13 +134,11 @@ def main() -> int:
     from edgespec.common import modelstore
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--draft", default="test")
-    p.add_argument("--target", default="test")
+    add_model_args(p, "test", "test", threads=1)
     p.add_argument("--mask-models", default="test,target", help="models whose mask cost is measured (comma list)")
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--chain", type=int, default=4)
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--skip-e2e", action="store_true")
     p.add_argument("--json", type=Path)
     args = p.parse_args()

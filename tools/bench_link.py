@@ -61,6 +61,7 @@ for p in (str(REPO), str(REPO / "tools"), str(REPO / "tests")):
         sys.path.insert(0, p)
 
 import netlab  # noqa: E402  (tests/netlab.py)
+from bench_local import add_model_args  # noqa: E402
 from bench_wire import load_prompts, machine  # noqa: E402
 
 MODES = ("ar", "chain4", "adaptive")
@@ -391,8 +392,7 @@ def plot(res: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--draft", default="draft")
-    ap.add_argument("--target", default="target")
+    add_model_args(ap, n_ctx=2048)
     ap.add_argument("--rtts", default="5,20,50,100", help="round-trip times added by the relay, ms")
     ap.add_argument("--mbits", default="10,100", help="tbf rates on both veth ends, Mbit/s")
     ap.add_argument("--humaneval", type=int, default=2, help="HumanEval prompts (the first N)")
@@ -402,7 +402,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(ALL_MODES)}")
     ap.add_argument("--multi-turn", type=int, default=0, help="items of bench_pool.py's multi-turn/editing set")
     ap.add_argument("--router-state", type=Path, help="router mode: start from (and save to) this state file")
-    ap.add_argument("--n-ctx", type=int, default=2048)
     ap.add_argument("--budget-min", type=float, default=30.0,
                     help="stop starting new prompts after this many minutes (whole prompts only)")
     ap.add_argument("--quick", action="store_true", help="RTT 20 ms, 100 Mbit/s, 1 prompt, 16 tokens")

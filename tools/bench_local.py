@@ -22,14 +22,21 @@ import random
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from edgespec.common import modelstore
 from edgespec.common.sampling import AcceptanceRule, SamplingParams
-from edgespec.edge.decoder import SessionStats
-from edgespec.edge.drafting import TreeShape
+from edgespec.edge.decoder import Decoder, SessionStats
+from edgespec.edge.drafting import Drafter, TreeShape
 from edgespec.edge.planner import LADDER
 from edgespec.edge.session import EdgeSession, tree_nodes_needed
+from edgespec.runtime.llama import ContextConfig, LlamaModel
+from edgespec.runtime.tree_verifier import LocalVerifier
+
+if TYPE_CHECKING:
+    from edgespec.edge.pool import DraftPool
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {
@@ -64,10 +71,42 @@ def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, {cpu}"
 
 
+def add_model_args(ap: argparse.ArgumentParser, draft: str = "draft", target: str = "target", *,
+                   threads: int | None = None, threads_help: str | None = None, n_ctx: int | None = None) -> None:
+    """The benchmarks' model options: --draft and --target (manifest name or GGUF path), and where a
+    tool has them, --threads (llama.cpp threads) and --n-ctx, with that tool's defaults."""
+    ap.add_argument("--draft", default=draft)
+    ap.add_argument("--target", default=target)
+    if threads is not None:
+        ap.add_argument("--threads", type=int, default=threads, help=threads_help)
+    if n_ctx is not None:
+        ap.add_argument("--n-ctx", type=int, default=n_ctx)
+
+
+def local_pair(draft: str, target: str, shape: TreeShape) -> tuple[LlamaModel, Drafter, LocalVerifier]:
+    """The draft model, its Drafter and an in-process target verifier for trees up to `shape`'s size:
+    context 2048, 1 llama.cpp thread per model."""
+    draft_model = LlamaModel(modelstore.resolve(draft))
+    config = ContextConfig(n_ctx=2048, max_tree_nodes=shape.width * shape.max_depth + 1, n_threads=1)
+    return draft_model, Drafter(draft_model, config), LocalVerifier(LlamaModel(modelstore.resolve(target)), config)
+
+
+def decode(source: Drafter | DraftPool, verifier: object, shape: TreeShape, model: LlamaModel,
+           prompt: list[int], max_tokens: int) -> tuple[list[int], SessionStats]:
+    """One greedy answer through the real Decoder, step by step (no drafting ahead): the committed
+    tokens and the run's stats."""
+    stats = SessionStats()
+    decoder = Decoder(source, verifier, stats, shape, model.is_end_of_generation, pipelined=False)
+    try:
+        out = [t for chunk in decoder.run(prompt, max_tokens, SamplingParams()) for t in chunk]
+    finally:
+        decoder.close()
+    return out, stats
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--draft", default="draft")
-    ap.add_argument("--target", default="target")
+    add_model_args(ap)
     ap.add_argument("--spec-bench", type=Path, default=REPO / "tools" / "data" / "spec_bench_questions.jsonl")
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--humaneval", type=int, default=3)

@@ -21,16 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-from edgespec.common import modelstore
-from edgespec.common.sampling import SamplingParams
-from edgespec.edge.decoder import Decoder, SessionStats
 from edgespec.edge.drafting import Drafter, TreeShape
 from edgespec.edge.pool import DraftPool, LookupExpert, ModelExpert, TemplateExpert
-from edgespec.runtime.llama import ContextConfig, LlamaModel
-from edgespec.runtime.tree_verifier import LocalVerifier
+from edgespec.runtime.llama import LlamaModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_local import load_prompts, machine  # noqa: E402
+from bench_local import add_model_args, decode, load_prompts, local_pair, machine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = ("model", "model+lookup", "lookup")
@@ -185,8 +181,7 @@ def summarize(rows: list[dict], configs: list[str], header: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--draft", default="draft")
-    ap.add_argument("--target", default="target")
+    add_model_args(ap)
     ap.add_argument("--spec-bench", type=Path, default=REPO / "tools" / "data" / "spec_bench_questions.jsonl")
     ap.add_argument("--categories", default="coding,extraction,math_reasoning,rag,summarization,writing")
     ap.add_argument("--humaneval", type=int, default=2)
@@ -205,11 +200,7 @@ def main() -> int:
         return 0
 
     shape = TreeShape(budget=args.budget, max_depth=6, branching=4, width=4)
-    draft_model = LlamaModel(modelstore.resolve(args.draft))
-    target_model = LlamaModel(modelstore.resolve(args.target))
-    config = ContextConfig(n_ctx=2048, max_tree_nodes=shape.width * shape.max_depth + 1, n_threads=1)
-    drafter = Drafter(draft_model, config)
-    verifier = LocalVerifier(target_model, config)
+    draft_model, drafter, verifier = local_pair(args.draft, args.target, shape)
 
     wanted = set(args.categories.split(","))
     single = [(c, [{"role": "user", "content": p}]) for c, p in
@@ -230,12 +221,7 @@ def main() -> int:
         outputs = {}
         for name in configs:   # configs interleaved per prompt: a partial run stays comparable
             source = make_drafter(name, drafter, draft_model)
-            stats = SessionStats()
-            decoder = Decoder(source, verifier, stats, shape, draft_model.is_end_of_generation, pipelined=False)
-            try:
-                outputs[name] = [t for chunk in decoder.run(prompt, args.max_tokens, SamplingParams()) for t in chunk]
-            finally:
-                decoder.close()
+            outputs[name], stats = decode(source, verifier, shape, draft_model, prompt, args.max_tokens)
             extra = {}
             if isinstance(source, DraftPool):
                 extra = {"pool_s": source.overhead.seconds, "expert_s": source.overhead.expert_seconds,

@@ -24,18 +24,14 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from edgespec.common import modelstore
 from edgespec.common.acceptance import VerifyResult
 from edgespec.common.sampling import SamplingParams
 from edgespec.common.tree import TokenTree
-from edgespec.edge.decoder import Decoder, SessionStats
 from edgespec.edge.drafting import Drafter, TreeShape
 from edgespec.edge.pool import DraftPool, LookupExpert, ModelExpert, TemplateExpert
-from edgespec.runtime.llama import ContextConfig, LlamaModel
-from edgespec.runtime.tree_verifier import LocalVerifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_local import machine  # noqa: E402
+from bench_local import add_model_args, decode, local_pair, machine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,17 +88,6 @@ def load_items(spec_bench: Path, n_spec: int, n_humaneval: int, seed: int) -> li
     return items
 
 
-def decode(source: Drafter | DraftPool, verifier: object, shape: TreeShape, model: LlamaModel,
-           prompt: list[int], max_tokens: int) -> tuple[list[int], SessionStats]:
-    stats = SessionStats()
-    decoder = Decoder(source, verifier, stats, shape, model.is_end_of_generation, pipelined=False)
-    try:
-        out = [t for chunk in decoder.run(prompt, max_tokens, SamplingParams()) for t in chunk]
-    finally:
-        decoder.close()
-    return out, stats
-
-
 def summarize(rows: list[dict]) -> str:
     """τ here = committed tokens / steps (the last step's answer is cut at --max-tokens, so this is slightly
     below the SessionStats convention 1 + accepted/steps, which counts accepted tokens past the cut)."""
@@ -121,8 +106,7 @@ def summarize(rows: list[dict]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--draft", default="draft")
-    ap.add_argument("--target", default="target")
+    add_model_args(ap)
     ap.add_argument("--spec-bench", type=Path, default=REPO / "tools" / "data" / "spec_bench_questions.jsonl")
     ap.add_argument("--spec-bench-prompts", type=int, default=40)
     ap.add_argument("--humaneval", type=int, default=40)
@@ -141,11 +125,7 @@ def main() -> int:
         return 0
 
     shape = TreeShape(budget=args.budget, max_depth=args.depth, branching=args.branching, width=args.width)
-    draft_model = LlamaModel(modelstore.resolve(args.draft))
-    target_model = LlamaModel(modelstore.resolve(args.target))
-    config = ContextConfig(n_ctx=2048, max_tree_nodes=shape.width * shape.max_depth + 1, n_threads=1)
-    drafter = Drafter(draft_model, config)
-    target = LocalVerifier(target_model, config)
+    draft_model, drafter, target = local_pair(args.draft, args.target, shape)
     items = load_items(args.spec_bench, args.spec_bench_prompts, args.humaneval, args.seed)
     # Alternate the two sets so that a run stopped early has measured both.
     items = [it for pair in zip(items[:args.spec_bench_prompts], items[args.spec_bench_prompts:]) for it in pair] + \

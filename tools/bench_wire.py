@@ -34,8 +34,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for p in (str(REPO), str(REPO / "tools")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from bench_local import add_model_args  # noqa: E402
 
 
 # The drafting shape per tree size (nodes incl. root): budget = size - 1 drafted nodes. The
@@ -260,15 +263,13 @@ def markdown(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--draft", default="draft")
-    ap.add_argument("--target", default="target")
+    add_model_args(ap, threads=1, threads_help="verifier llama.cpp threads")
     ap.add_argument("--sizes", default="1,4,16,32,64,128", help="tree sizes, nodes incl. root (max 128 here)")
     ap.add_argument("--reps", type=int, default=5, help="timed verify() runs per size and mode (median)")
     ap.add_argument("--humaneval", type=int, default=2, help="HumanEval prompts to draft trees from")
     ap.add_argument("--spec", type=int, default=2, help="Spec-Bench prompts (distinct categories)")
     ap.add_argument("--spec-bench", type=Path, default=REPO / "tools" / "data" / "spec_bench_questions.jsonl")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1, help="verifier llama.cpp threads")
     ap.add_argument("--no-latency", action="store_true", help="wire sizes only (no verifier process)")
     ap.add_argument("--no-sampled-latency", dest="sampled_latency", action="store_false",
                     help="time greedy trees only")

@@ -28,6 +28,9 @@ from edgespec.common.sampling import SamplingParams, probabilities
 from edgespec.verifier.torch.engine import Engine, TreeStep
 from edgespec.verifier.torch.model import ModelConfig, TransformerLM
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from chi2 import chi2_gof  # noqa: E402  (tools/chi2.py: scipy where installed, else torch)
+
 CONFIGS = {"T0.3": SamplingParams(temperature=0.3), "T0.6": SamplingParams(temperature=0.6), "T1.0": SamplingParams(temperature=1.0),
            "T0.5-topk20-topp0.9": SamplingParams(temperature=0.5, top_k=20, top_p=0.9)}
 
@@ -35,16 +38,7 @@ CONFIGS = {"T0.3": SamplingParams(temperature=0.3), "T0.6": SamplingParams(tempe
 def chi2_pvalue(counts: Counter, exact: dict[tuple[int, ...], float], n: int) -> tuple[float, int, int]:
     """(p-value, degrees of freedom, outcomes the target rules out that were seen)."""
     impossible = sum(c for k, c in counts.items() if k not in exact)
-    big = {k: p for k, p in exact.items() if p * n >= 5}
-    obs = [counts.get(k, 0) for k in big]
-    exp = [p * n for p in big.values()]
-    rest_obs, rest_exp = n - sum(obs) - impossible, n - sum(exp)
-    if rest_exp >= 5:
-        obs.append(rest_obs)
-        exp.append(rest_exp)
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
-    df = len(obs) - 1
-    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    p, df = chi2_gof([counts.get(k, 0) for k in exact], [p * n for p in exact.values()])
     return p, df, impossible
 
 

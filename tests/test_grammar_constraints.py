@@ -354,8 +354,8 @@ def test_qwen_pair_greedy_json_equals_constrained_target_only(qwen_paths, qwen_m
 
 
 def test_a_verifier_that_does_not_apply_grammars_is_never_sent_one(smol_path) -> None:
-    """A verifier that does not announce Opened.grammar_constraints (an older version, the torch
-    backend) would ignore the field and answer unconstrained: the edge refuses the request instead."""
+    """A verifier that does not announce Opened.grammar_constraints (an older version) would ignore
+    the field and answer unconstrained: the edge refuses the request instead."""
     import dataclasses
 
     from edgespec.edge.session import EdgeSession

@@ -8,6 +8,7 @@ import gc
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -372,3 +373,134 @@ def test_cli_device_flags_need_backend_torch(smol_path):
     r = subprocess.run([sys.executable, "-m", "edgespec", "verifier", "serve", "--model", str(smol_path),
                         "--dtype", "float32"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--backend torch" in r.stderr
+
+
+# -- grammar constraints ----------------------------------------------------------------------------
+def test_grammar_vocab_equals_the_edges(backend, smol_model):
+    """The torch verifier compiles grammars over the token list the edge uses (llama.cpp's vocabulary
+    of the same GGUF, without weights): every token's bytes, its special flag and the end-of-generation
+    ids equal; and the masks, checked along a JSON answer: after '..."age": 34, "' the schema forces
+    'languages', which llguidance allows only as the tokenizer spells it ("l" + "anguages"), so a
+    list of token bytes without llama.cpp's tokenizer would allow "language" there instead."""
+    from edgespec.common.constraints import Grammar, TokenConstraint
+    from tests.test_grammar_constraints import RESPONSE_FORMAT
+
+    assert backend.info.grammar_constraints
+    edge_vocab, verifier_vocab = smol_model.grammar_vocab(), backend.grammar_vocab()
+    e, v = edge_vocab.tokenizer, verifier_vocab.tokenizer
+    assert verifier_vocab.n_vocab == edge_vocab.n_vocab == smol_model.n_vocab
+    assert v.eos_tokens == e.eos_tokens == [0, 2, 4]   # <|endoftext|>, <|im_end|>, <reponame> (FIM repo)
+    for t in range(smol_model.n_vocab):
+        assert v.decode_bytes([t]) == e.decode_bytes([t]) and v.is_special_token(t) == e.is_special_token(t), t
+    grammar = Grammar.from_response_format(RESPONSE_FORMAT)
+    edge = TokenConstraint(grammar=grammar).placed(0).bind(edge_vocab)
+    verifier = TokenConstraint(grammar=grammar).placed(0).bind(verifier_vocab)
+    answer = smol_model.tokenize('{"name": "Alice", "age": 34, "languages": ["Python", "Go"]}<|im_end|>',
+                                 add_special=False)
+    for i in range(len(answer) + 1):
+        assert (edge.allowed(answer[:i]) == verifier.allowed(answer[:i])).all(), f"masks differ after {i} tokens"
+    forced = smol_model.tokenize('{"name": "Alice", "age": 34, "', add_special=False)
+    assert np.flatnonzero(verifier.allowed(forced)).tolist() == smol_model.tokenize("l", add_special=False)
+
+
+def torch_constrained_reference(engine, vocab, prompt, n, grammar, is_end):
+    """The torch target's own constrained greedy output: one token at a time from its float32 logits,
+    masked by llguidance driven directly over the EDGE's (llama.cpp's) token list."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(vocab.tokenizer, grammar.text, log_level=0)
+    seq = engine.new_sequence()
+    out = []
+    try:
+        engine.prefill(seq, prompt[:-1])
+        last = prompt[-1]
+        for _ in range(n):
+            logits = engine.logits(seq, [last], [-1])[0].numpy()
+            bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little",
+                                 count=vocab.n_vocab).astype(bool)
+            token = int(np.argmax(np.where(bits, logits, -np.inf)))
+            out.append(token)
+            if is_end(token):
+                break
+            assert matcher.consume_token(token)
+            engine.prefill(seq, [last])
+            last = token
+    finally:
+        seq.close()
+    return out
+
+
+def test_grammar_speculation_through_torch_verifier_equals_constrained_target_only(backend, smol_path, smol_model):
+    """`verifier serve --backend torch` applies grammars (Opened.grammar_constraints): drafts from
+    llama.cpp masked over its token list, acceptance on the torch verifier masked over the GGUF's.
+    Greedy output equals the float32 torch target's own constrained output token for token, and
+    parses against the JSON schema."""
+    import jsonschema
+
+    from edgespec.common.constraints import Grammar, TokenConstraint
+    from edgespec.edge.embedded import EmbeddedVerifier
+    from tests.test_grammar_constraints import ASK, RESPONSE_FORMAT, SCHEMA
+
+    grammar = Grammar.from_response_format(RESPONSE_FORMAT)
+    prompt = chat(smol_model, ASK)
+    n = 96
+    ref = torch_constrained_reference(backend.engine, smol_model.grammar_vocab(), prompt, n, grammar,
+                                      smol_model.is_end_of_generation)
+    assert_no_leaks(backend)
+    assert smol_model.is_end_of_generation(ref[-1]), "the reference answer should end within n tokens"
+    ref = ref[:-1]   # the decoder does not emit the end-of-generation token
+    shape = TreeShape(budget=8, max_depth=4, branching=2, width=2)
+    with EmbeddedVerifier(smol_path, n_ctx=1024, max_sessions=2,
+                          extra_args=["--backend", "torch", "--device", "cpu", "--threads", "1"]) as ev:
+        with EdgeSession(smol_path, smol_path, verifier=ev.address, token=ev.token, fallback=False,
+                         tree=shape, n_ctx=1024, draft_threads=1) as session:
+            greedy = SamplingParams(constraint=TokenConstraint(grammar=grammar))
+            got = [t for chunk in session.generate_tokens(prompt, n, greedy) for t in chunk]
+            text = session.chat(ASK, max_tokens=n, response_format=RESPONSE_FORMAT)
+            finish, accepted = session.finish_reason, session.stats.accepted
+    assert got == ref, f"left the constrained target-only output: {smol_model.detokenize(got)!r}"
+    assert finish == "stop" and text == smol_model.detokenize(ref), text
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert accepted > 0
+
+
+# -- serve flags: prefill chunk and compaction threshold --------------------------------------------
+def test_cli_prefill_chunk_and_compact_threshold_take_effect(smol_path):
+    import re
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from grpc_helpers import ServerProcess
+
+    srv = ServerProcess(smol_path, "--backend", "torch", "--device", "cpu", "--threads", "1", "--n-ctx", "256",
+                        "--prefill-chunk", "48", "--compact-threshold", "0.25", "--metrics-port", "0")
+    try:
+        deadline = time.monotonic() + 10
+        while not any("metrics on http" in line for line in srv.stderr) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        url = re.search(r"metrics on (http://\S+/metrics)", "".join(srv.stderr)).group(1)
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        m = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+        assert srv.info().backend == "torch-cpu-float32"
+    finally:
+        srv.stop()
+    assert m["edgespec_verifier_prefill_chunk_tokens"] == 48 and m["edgespec_verifier_kv_compact_threshold"] == 0.25
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--prefill-chunk", "0", "at least 1 token"),
+    ("--prefill-chunk", "lots", "not a whole number"),
+    ("--compact-threshold", "1.5", "in [0, 1]"),
+    ("--compact-threshold", "nan", "in [0, 1]"),
+])
+def test_cli_bad_prefill_chunk_or_compact_threshold_is_refused(smol_path, flag, value, words):
+    r = subprocess.run([sys.executable, "-m", "edgespec", "verifier", "serve", "--model", str(smol_path),
+                        "--backend", "torch", flag, value], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"argument {flag}" in r.stderr and words in r.stderr, r.stderr
+
+
+def test_cli_torch_tuning_flags_need_backend_torch(smol_path):
+    r = subprocess.run([sys.executable, "-m", "edgespec", "verifier", "serve", "--model", str(smol_path),
+                        "--compact-threshold", "0.3"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--backend torch" in r.stderr, r.stderr

@@ -2,6 +2,7 @@
 
   edgespec verifier serve [--model NAME|PATH] [--host H] [--port P] [--token T] [--tls-cert C --tls-key K]
                           [--backend llama|torch] [--device cpu|cuda] [--dtype float32|bfloat16]
+                          [--prefill-chunk N] [--compact-threshold F]     # torch backend
   edgespec verifier info ADDRESS [--token T] [--tls | --tls-ca FILE]
   edgespec verifier info H1:P,H2:P | fleet:NAME:PORT    # a fleet: every replica and totals
 
@@ -41,10 +42,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     path = modelstore.resolve(model, fetch_missing=False, progress=False)
     if args.backend != "torch" and (args.device or args.dtype):
         raise CliError("--device and --dtype apply to --backend torch only (llama.cpp: --n-gpu-layers)")
+    if args.backend != "torch" and (args.prefill_chunk is not None or args.compact_threshold is not None):
+        raise CliError("--prefill-chunk and --compact-threshold apply to --backend torch only")
     try:
         backend = create_backend(args.backend, path, n_ctx=args.n_ctx, max_nodes=args.max_nodes,
                                  max_depth=args.max_depth, threads=args.threads, n_gpu_layers=args.n_gpu_layers,
-                                 device=args.device or "cpu", dtype=args.dtype, max_sessions=args.max_sessions)
+                                 device=args.device or "cpu", dtype=args.dtype, max_sessions=args.max_sessions,
+                                 prefill_chunk=args.prefill_chunk, compact_threshold=args.compact_threshold)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     step_log = _step_log(args, backend, path) if args.log_dir else None
@@ -154,6 +158,26 @@ def info_dict(reply) -> dict:  # noqa: ANN001
     return d
 
 
+def _prefill_chunk(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a chunk holds at least 1 token, got {n}")
+    return n
+
+
+def _fraction(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= f <= 1.0:   # NaN fails too
+        raise argparse.ArgumentTypeError(f"the fragmentation index F is in [0, 1], got {text}")
+    return f
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("verifier", help="run or query the verifier service",
                                    description=__doc__.split("\n\n")[0])
@@ -197,6 +221,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--device", default=None, help="torch backend: cpu (default), cuda or cuda:N")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="torch backend: weight and KV dtype (default float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--prefill-chunk", type=_prefill_chunk, default=None, metavar="N",
+                   help="torch backend: a Sync prefills N tokens at a time, letting other sessions' verify "
+                        "batches run between chunks (default 256)")
+    p.add_argument("--compact-threshold", type=_fraction, default=None, metavar="F",
+                   help="torch backend: compact the KV cache between steps when its fragmentation index "
+                        "F = 1 - largest free run / free blocks is above this (0..1; 1: never; default 0.5)")
     p.add_argument("--log-dir", default=None, metavar="DIR",
                    help="record every verified step (context, accepted path, the target's top-k at the deciding "
                         "positions) in DIR, for tools/distill.py (llama backend)")

@@ -62,9 +62,11 @@ def gpu_offload_supported() -> bool:
 class LlamaModel:
     """Weights and vocabulary of one GGUF model; contexts (KV caches) are created from it."""
 
-    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0) -> None:
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, vocab_only: bool = False) -> None:
         """`n_gpu_layers`: layers offloaded to the GPU (ALL_LAYERS = -1: every layer). Asking for
-        layers from a build without GPU support is refused: silently running on the CPU would hide it."""
+        layers from a build without GPU support is refused: silently running on the CPU would hide it.
+        `vocab_only`: the vocabulary (and hyper-parameters) without the weights, for tokenizing and
+        grammar_vocab only (the torch verifier's grammars); no context can be created from it."""
         self._model = None
         path = Path(path)
         if not path.is_file():
@@ -78,6 +80,7 @@ class LlamaModel:
         _init_backend()
         params = C.llama_model_default_params()
         params.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers == ALL_LAYERS else n_gpu_layers
+        params.vocab_only = vocab_only
         self._model = C.llama_model_load_from_file(str(path).encode(), params)
         if not self._model:
             raise ModelError(f"llama.cpp could not load {path} (not a valid GGUF model?)")

@@ -2,8 +2,9 @@
 
 Counts come straight from the session registry at scrape time (one source of truth, the same
 figures `Info` reports), KV use from the backend (`Backend.kv_usage`: blocks used and shared,
-fragmentation, compactions); distributions (queue and compute time, tree size, tokens per verify)
-are histograms observed by the servicer, batch size and step time (one batched forward) by the
+fragmentation, compactions) and its settings where it has them (ModelInfo.extra: prefill chunk,
+compaction threshold); distributions (queue and compute time, tree size, tokens per verify) are
+histograms observed by the servicer, batch size and step time (one batched forward) by the
 batch worker. Each server owns its own CollectorRegistry, so several
 servers can live in one process (tests) without clashing.
 """
@@ -48,6 +49,13 @@ class _SessionFigures:
                     ("kv_blocks_moved", "KV blocks moved by compactions", kv.blocks_moved),
                     ("kv_compact_seconds", "time spent compacting the KV cache", kv.compact_seconds)):
                 yield CounterMetricFamily(f"edgespec_verifier_{name}", doc, value=value)
+        extra = r.backend.info.extra   # the paged backend's settings (verifier serve --prefill-chunk, ...)
+        for key, name, doc in (
+                ("prefill_chunk", "prefill_chunk_tokens", "tokens a Sync prefills per chunk (--prefill-chunk)"),
+                ("compact_threshold", "kv_compact_threshold",
+                 "F above which the KV cache is compacted between steps (--compact-threshold)")):
+            if isinstance(extra.get(key), (int, float)):
+                yield GaugeMetricFamily(f"edgespec_verifier_{name}", doc, value=extra[key])
         s = r.stats
         for name, doc, value in (
                 ("syncs", "Sync requests served", s.syncs),

@@ -15,10 +15,18 @@ service can run other sessions' verify batches between them.
 
 Prefix sharing: when a session syncs, it adopts the full blocks of the longest common prefix held
 by any other live session (system prompts, a resent conversation) instead of recomputing them.
+
+Grammar constraints (common/constraints.py): a request with a TokenConstraint is decided on the
+host (engine.decided_on_device), where acceptance masks the logits rows exactly as the llama.cpp
+verifier does; grammars are compiled over llama.cpp's vocabulary of the same GGUF (`grammar_vocab`),
+so the masks are the edge's.
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import os
+import threading
 import time
 from typing import Iterator
 
@@ -30,6 +38,8 @@ from edgespec.common.acceptance import (
     check_context,
     check_tree,
 )
+from edgespec.common.constraints import GrammarVocab
+from edgespec.common.errors import InvalidRequestError
 from edgespec.common.sampling import SamplingParams
 from edgespec.common.tokens import common_prefix_length
 from edgespec.common.tree import MAX_TREE_NODES, TokenTree
@@ -98,6 +108,8 @@ class TorchSession(BackendSession):
 
     def _tree_step(self, tree: TokenTree, sampling: SamplingParams, step: int) -> TreeStep:
         b = self.backend
+        if sampling.constraint:   # a grammar from the wire is compiled over this model's token list
+            sampling.constraint.bind(b.grammar_vocab)
         check_tree(tree, self.committed, b.info.vocab_size, b.info.max_nodes, b.info.max_depth, sampling)
         host_rule = None
         if not decided_on_device(sampling):  # the rejection rule needs q: decided from logits rows on the host
@@ -148,6 +160,9 @@ class TorchBackend(Backend):
                     max_sessions=max_sessions, block_size=block_size, cuda_graphs=cuda_graphs, attention=attention,
                     prefill_chunk=prefill_chunk, compact_threshold=compact_threshold,
                     compact_check_every=compact_check_every, extra={"path": str(model_path)})
+        self._model_path = model_path
+        if importlib.util.find_spec("llama_cpp") is not None:   # grammar_vocab reads the vocabulary with it
+            self.info = dataclasses.replace(self.info, grammar_constraints=True)
 
     @classmethod
     def from_model(cls, model: TransformerLM, *, model_id: str = "random", tokenizer_hash: str = "",
@@ -178,6 +193,10 @@ class TorchBackend(Backend):
                              cuda_graphs=cuda_graphs, attention=attention, prefill_chunk=prefill_chunk,
                              compact_threshold=compact_threshold, compact_check_every=compact_check_every)
         self._sessions: set[TorchSession] = set()
+        self._model_path: str | os.PathLike | None = None   # where grammar_vocab reads the token list
+        self._grammar_vocab: GrammarVocab | None = None
+        self._vocab_model = None   # llama.cpp's vocabulary of the model (no weights), for grammar_vocab
+        self._grammar_lock = threading.Lock()
         c = model.config
         dtype = next(k for k, v in DTYPES.items() if v == model.dtype)
         self.info = ModelInfo(
@@ -191,6 +210,26 @@ class TorchBackend(Backend):
 
     def open_session(self) -> TorchSession:
         return TorchSession(self)
+
+    def grammar_vocab(self) -> GrammarVocab:
+        """The token list llguidance compiles grammars over: built exactly as the edge builds it
+        (LlamaModel.grammar_vocab) from llama.cpp's vocabulary of the same GGUF, loaded without its
+        weights. Not from tokenizer.ggml.tokens alone: llama.cpp renders tokens by attribute and
+        decodes byte-level text, makes "control-looking" tokens (e.g. Qwen's NORMAL "</s>") CONTROL
+        and end-of-generation, and llguidance allows forced text (a JSON key the schema fixes) only
+        in the tokenizer's own tokenization ("languages" is "l" + "anguages" for SmolLM2), so the
+        masks equal the edge's only with llama.cpp's tokenizer too. Built on the first grammar
+        (about a second per 50k tokens), then kept."""
+        with self._grammar_lock:
+            if self._grammar_vocab is None:
+                if not self.info.grammar_constraints or self._model_path is None:
+                    raise InvalidRequestError(f"the {self.info.backend} backend of {self.info.model_id} does not "
+                                              "apply grammar constraints")
+                from edgespec.runtime.llama import LlamaModel
+
+                self._vocab_model = LlamaModel(self._model_path, vocab_only=True)
+                self._grammar_vocab = self._vocab_model.grammar_vocab()
+            return self._grammar_vocab
 
     def verify_many(self, requests: list[tuple[TorchSession, TokenTree, SamplingParams, int]]
                     ) -> list[VerifyResult | BaseException]:
@@ -243,3 +282,6 @@ class TorchBackend(Backend):
     def close(self) -> None:
         for s in list(self._sessions):
             s.close()
+        if self._vocab_model is not None:
+            self._grammar_vocab = None
+            self._vocab_model.close()

@@ -203,6 +203,8 @@ class Engine:
                                   compact_reserve=compact_reserve)
         if not 0.0 <= compact_threshold <= 1.0:
             raise ValueError(f"compact_threshold must be in [0, 1], got {compact_threshold}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
         self.compact_threshold = compact_threshold
         self.compact_check_every = max(1, compact_check_every)
         self._since_check = 0

@@ -6,7 +6,12 @@ the session moves to the other replica (Open + Sync of the decoder's committed c
 finishes with exactly the target's greedy output, no local fallback involved (fallback=False), and
 the time from the kill to the next committed token is measured. Load signals: a replica kept busy by
 other clients reports its queue time in every answer; the edge's planner picks smaller trees for it,
-the fleet's metrics show it, and a new session goes to the idle replica.
+the fleet's metrics show it, and a new session goes to the idle replica. Slow is not dead: a replica
+behind a link of 400 ms each way answers its Info probes (timeouts adapt to what was measured) and
+serves a session, and the same replica stalled is found dead within its adapted timeout. Full
+replicas: placement passes over a replica with every stream or KV slot taken, moves on a
+RESOURCE_EXHAUSTED answer without calling the replica dead, and when every replica is full raises
+FleetFullError; a session on a full fleet starts local and attaches once a replica has room.
 """
 from __future__ import annotations
 
@@ -22,11 +27,16 @@ import pytest
 from edgespec import EdgeSession
 from edgespec.common.sampling import SamplingParams
 from edgespec.common.tree import TokenTree
-from edgespec.edge.fleet import Fleet, FleetLink, hrw_score, is_fleet_spec, parse_fleet
-from edgespec.edge.link import Deadline, Link
-from failover_helpers import MAX_TOKENS, N_CTX, PROMPT, SHAPE, Recorder, check_run, fo_stats, pull
+from edgespec.common.wire import VerifierBusyError
+from edgespec.edge.failover import Breaker
+from edgespec.edge.fleet import (INFO_TIMEOUT_FACTOR, Fleet, FleetFullError, FleetLink, hrw_score, is_fleet_spec,
+                                 parse_fleet)
+from edgespec.edge.link import CONNECT_TIMEOUT_S, Deadline, Link
+from failover_helpers import (MAX_TOKENS, N_CTX, PROBE_S, PROMPT, SHAPE, Recorder, check_output, check_run, fo_stats,
+                              pull)
 from grpc_helpers import ServerProcess
 from lossless import target_only_greedy
+from netlab import wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import netrelay  # noqa: E402
@@ -261,5 +271,175 @@ def test_a_loaded_replica_shrinks_the_planners_trees_and_shows_in_the_fleet_metr
             session.close()
         for r in relays:
             r.stop()
+        for s in servers:
+            s.stop()
+
+
+def key_ranking(addrs: list[str], first: str, second: str | None = None) -> str:
+    """A session id whose rendezvous ranking starts with `first` (then `second`)."""
+    def ranks(k: str) -> list[str]:
+        return sorted(addrs, key=lambda a: hrw_score(k, a), reverse=True)
+    return next(k for k in (f"robot-{n}" for n in range(10_000))
+                if ranks(k)[0] == first and (second is None or ranks(k)[1] == second))
+
+
+def test_a_slow_replica_is_slow_not_dead(replicas, smol_model):
+    """400 ms each way (tests/test_failover.py's slow link) in front of one replica: its Info probe
+    (a fresh channel: 1.2 s through the relay) once hit a fixed 1 s timeout, so the replica was
+    marked dead. Now the probe's timeout follows what was measured: the slow replica is placed on
+    and serves a session; the fast one keeps the 1 s floor; and the slow one, stalled, is found
+    dead after its adapted timeout (7 s here: 3 x 3 round trips; at most the 10 s cap)."""
+    fp = smol_model.tokenizer_fingerprint()
+    with netrelay.RelayThread(("127.0.0.1", replicas[0].port), delay_up_ms=400, delay_down_ms=400) as relay:
+        slow, fast = f"127.0.0.1:{relay.address[1]}", replicas[1].address
+        fleet = Fleet(f"{slow},{fast}", choices=1, info_max_age_s=0)  # sticky only; every placement probes
+        s, f = fleet.replica(slow), fleet.replica(fast)
+        assert fleet.info_timeout(s) == CONNECT_TIMEOUT_S  # nothing measured yet: the link's connect timeout
+        key = key_ranking([slow, fast], slow)
+        assert fleet.place(key) is s
+        assert s.alive() and s.failures == 0 and s.info_probes == 1, s
+        assert s.info_s >= 0.8, s  # at least the round trip
+        assert fleet.info_timeout(s) == pytest.approx(min(CONNECT_TIMEOUT_S, max(1.0, INFO_TIMEOUT_FACTOR * s.info_s)))
+        assert fleet.place(key) is s and s.alive() and s.info_probes == 2  # and again: slow, not dead
+        assert fleet.place(key_ranking([slow, fast], fast)) is f
+        # a fast replica keeps its short timeout (the 1 s floor, unless the machine is very busy)
+        assert f.info_s < s.info_s / 2
+        assert fleet.info_timeout(f) == pytest.approx(max(1.0, INFO_TIMEOUT_FACTOR * f.info_s))
+
+        link = FleetLink(fleet, key, tokenizer_hash=fp, timeout_s=30)
+        try:  # a session there: no move, its round trips measured
+            context = [1, 2, 3]
+            link.sync(context)
+            result = link.verify(context, TokenTree.chain(3, [4, 5]), SamplingParams(), 0)
+            assert len(result.tokens) >= 1 and link.address == slow and len(link.moves) == 1, link.moves
+            assert s.rtt_ms >= 700 and s.alive(), s
+        finally:
+            link.close()
+        timeout = fleet.info_timeout(s)  # now from the session's round trips too (3 per fresh channel)
+        print(f"slow replica: Info {s.info_s:.2f} s, rtt {s.rtt_ms:.0f} ms -> probe timeout {timeout:.1f} s")
+        assert 2.0 < timeout <= CONNECT_TIMEOUT_S
+
+        relay.stall(60)  # the slow replica stops answering: dead after its timeout, the session goes elsewhere
+        started = time.monotonic()
+        assert fleet.place(key) is f
+        took = time.monotonic() - started
+        relay.resume()
+        assert not s.alive() and "DEADLINE_EXCEEDED" in s.last_error and s.failures == 1, s
+        assert timeout - 0.1 <= took < timeout + 2.0, (took, timeout)
+        assert s.info_backoff_s == pytest.approx(min(CONNECT_TIMEOUT_S, 2 * timeout))  # the next probe waits longer
+
+
+def test_placement_skips_full_replicas(smol_path, smol_model):
+    """Replicas with 2 streams and 1 KV slot each; other clients fill them step by step. Sticky-only
+    placement (choices=1, so load cannot hide it) goes past a replica whose KV slots are all taken
+    while another has room, uses such a replica when all are (the replica evicts, as designed), never
+    one whose streams are all taken, moves on a RESOURCE_EXHAUSTED answer without calling the
+    replica dead, and raises FleetFullError when no replica has room."""
+    servers = [ServerProcess(smol_path, "--n-ctx", "512", "--threads", "1", "--max-streams", "2",
+                             "--max-sessions", "1") for _ in range(2)]
+    fp = smol_model.tokenizer_fingerprint()
+    holders: list[Link] = []
+    moving = None
+
+    def hold(address: str, sync: bool) -> Link:  # another client's stream (synced: it holds a KV slot)
+        link = Link(address, tokenizer_hash=fp, timeout_s=30)
+        holders.append(link)
+        link.sync([1, 2, 3]) if sync else link.attach(None, Deadline(30, "open"))
+        return link
+
+    try:
+        x, y = (s.address for s in servers)
+        key = key_ranking([x, y], x)
+        fleet = Fleet(f"{x},{y}", choices=1, info_max_age_s=0)
+        stale = Fleet(f"{x},{y}", choices=1, info_max_age_s=600)  # keeps the Info of its first placement
+        X, Y = fleet.replica(x), fleet.replica(y)
+        assert fleet.place(key) is X and stale.place(key).address == x  # both empty: its home
+
+        hold(x, sync=True)  # X: every KV slot taken (1/1), a stream free
+        assert fleet.place(key) is Y, fleet.describe()
+        hold(y, sync=True)  # Y too: nobody has a free slot, X evicts (its load is no higher)
+        assert fleet.place(key) is X, fleet.describe()
+        hold(x, sync=False)  # X: every stream taken (2/2)
+        assert fleet.place(key) is Y, fleet.describe()
+        assert X.alive() and X.failures == 0 and X.full() == "full: 2/2 open streams"
+
+        # an edge whose Info is old places on X; X answers RESOURCE_EXHAUSTED: full, not dead; moved to Y
+        moving = FleetLink(stale, key, tokenizer_hash=fp, timeout_s=30)
+        moving.attach(None, Deadline(30, "open"))
+        assert [(m.old, m.new) for m in moving.moves] == [("", x), (x, y)], moving.moves
+        assert "VerifierBusyError" in moving.moves[1].reason and "open sessions" in moving.moves[1].reason
+        sx = stale.replica(x)
+        assert sx.alive() and sx.failures == 0 and sx.full().startswith("answered VerifierBusyError"), sx
+
+        # every stream of both taken (Y: the holder and the moved session): no room anywhere
+        with pytest.raises(FleetFullError, match="no replica of the fleet") as info:
+            fleet.place(key)
+        assert f"{x}: full: 2/2 open streams" in str(info.value) and f"{y}: full: 2/2" in str(info.value)
+        assert isinstance(info.value, VerifierBusyError)
+        late = FleetLink(fleet, key, tokenizer_hash=fp, timeout_s=30)  # a session asks anyway: a real refusal
+        try:
+            with pytest.raises(FleetFullError, match="no replica of the fleet"):
+                late.attach(None, Deadline(30, "open"))
+        finally:
+            late.close()
+        assert X.alive() and Y.alive() and X.failures == Y.failures == 0  # full, never dead
+
+        moving.close()  # Y has a stream free again; X is still full
+        assert wait_for(lambda: servers[1].info().open_streams == 1, 10)
+        assert fleet.place(key) is Y, fleet.describe()
+    finally:
+        for link in holders + ([moving] if moving else []):
+            link.close()
+        for s in servers:
+            s.stop()
+
+
+def test_a_full_fleet_starts_local_and_attaches_when_a_replica_has_room(smol_path, smol_model, reference):
+    """Every replica's only stream is taken by another client. Without a fallback the session
+    cannot start and says why (FleetFullError naming each replica, not a configuration error); with
+    one it starts on the local target, and once a replica has room the probe attaches there and the
+    steps go remote again, the output the target's own, nothing lost."""
+    servers = [ServerProcess(smol_path, "--n-ctx", str(N_CTX), "--threads", "1", "--max-streams", "1")
+               for _ in range(2)]
+    fp = smol_model.tokenizer_fingerprint()
+    holders = [Link(s.address, tokenizer_hash=fp, timeout_s=30) for s in servers]
+    session = None
+    try:
+        for h in holders:
+            h.attach(None, Deadline(30, "open"))
+        addrs = [s.address for s in servers]
+        spec, key = ",".join(addrs), key_ranking(addrs, addrs[0])
+        with pytest.raises(FleetFullError, match="no replica of the fleet") as info:
+            EdgeSession(smol_path, smol_path, verifier=spec, n_ctx=N_CTX, tree=SHAPE, fallback=False, session_id=key)
+        assert all(a in str(info.value) for a in addrs) and "retry later" in str(info.value), info.value
+        print(f"fallback=False: {info.value}")
+
+        events: list = []
+        session = EdgeSession(smol_path, smol_path, verifier=spec, n_ctx=N_CTX, tree=SHAPE, session_id=key,
+                              probe_interval_s=PROBE_S, deadline_s=10.0, on_switch=events.append)
+        fo = fo_stats(session)
+        assert fo["mode"] == "local" and fo["breaker"] == "open", fo
+        assert [(e.from_mode, e.to_mode) for e in events] == [("remote", "local")] and "no room" in events[0].reason
+        rec = Recorder(session)
+        chunks: list[str] = []
+        stream = session.chat(PROMPT, stream=True, max_tokens=40)
+        pull(stream, chunks, lambda: len(rec.tokens) >= 8)
+        assert fo_stats(session)["remote_steps"] == 0 and fo_stats(session)["local_steps"] >= 1
+
+        holders[1].close()  # the second replica of its ranking has room now (the first is still full)
+        assert wait_for(lambda: session.failover.state is not Breaker.OPEN, 30), fo_stats(session)
+        chunks += list(stream)
+        fo = fo_stats(session)
+        assert [(e.from_mode, e.to_mode) for e in events] == [("remote", "local"), ("local", "remote")], events
+        assert fo["remote_steps"] > 0 and fo["fleet"]["replica"] == addrs[1], fo
+        assert fo["remote_steps"] + fo["local_steps"] == len(rec.steps)
+        prompt = session.draft_model.chat_tokens([{"role": "user", "content": PROMPT}])
+        check_output(smol_model, prompt, rec.tokens, chunks, session.decoder.committed, reference, "full fleet", 40,
+                     SHAPE.max_depth)
+    finally:
+        if session is not None:
+            session.close()
+        for h in holders:
+            h.close()
         for s in servers:
             s.stop()

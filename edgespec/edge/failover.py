@@ -18,8 +18,11 @@ passes it to every call; this class keeps no copy. It is assembled from parts wi
 
 The rules:
 - First contact (Open) must work: a verifier that never answered is a configuration mistake, raised
-  with its cause (first_contact.py), never hidden by the fallback. Exception: `local_first=True`
-  starts locally while the verifier cannot be reached yet (a refused token or model still raises).
+  with its cause (first_contact.py), never hidden by the fallback. Exceptions: `local_first=True`
+  starts locally while the verifier cannot be reached yet (a refused token or model still raises),
+  and a verifier (or every replica of a fleet) that answered RESOURCE_EXHAUSTED is full, not
+  misconfigured: the session starts locally and the probe attaches once there is room (without a
+  fallback the VerifierBusyError is raised, naming the verifier).
 - Breaker closed (or half-open): the step goes to the verifier and must be answered within
   `deadline_s` (network + queue + compute, plus a Sync when the server is behind the context). A
   failure -- unreachable, a broken stream that does not come back at once, an inconsistent answer,
@@ -56,7 +59,7 @@ from edgespec.common.errors import (
 )
 from edgespec.common.sampling import SamplingParams
 from edgespec.common.tree import TokenTree
-from edgespec.common.wire import DeadlineExceededError
+from edgespec.common.wire import DeadlineExceededError, VerifierBusyError
 from edgespec.edge.breaker import HISTORY, Breaker, BreakerEvent, CircuitBreaker
 from edgespec.edge.first_contact import check_address, is_refusal, unreached
 from edgespec.edge.health import check_health
@@ -293,13 +296,16 @@ class FailoverVerifier:
         return error
 
     def _never_reached(self, exc: Exception, step: int) -> None:
-        """First contact failed: a configuration error, unless local-first allows waiting for it."""
-        if not (self.local_first and self.local.available) or is_refusal(exc):
+        """First contact failed: a configuration error, unless local-first allows waiting for it, or
+        the verifier answered that it is full (then, with a fallback, wait for room the same way)."""
+        busy = isinstance(exc, VerifierBusyError)  # it answered: address, TLS and token are right
+        if not ((self.local_first or busy) and self.local.available) or is_refusal(exc):
             raise unreached(self.link.address, self._tls, exc) from exc
         s = self.switches
         s.count("failures")
         s.last_error = f"{type(exc).__name__}: {exc}"
-        s.reason = f"local-first: the verifier at {self.link.address} cannot be reached yet ({s.last_error})"
+        s.reason = (f"the verifier at {self.link.address} has no room for this session yet ({s.last_error})" if busy
+                    else f"local-first: the verifier at {self.link.address} cannot be reached yet ({s.last_error})")
         if self.breaker.trip(s.reason):
             self.probe.start()
         if s.mode == "remote":

@@ -17,7 +17,7 @@ from edgespec.common.errors import (
     TokenizerMismatchError,
     VerifierConfigError,
 )
-from edgespec.common.wire import DeadlineExceededError, ProtocolError, UnauthenticatedError
+from edgespec.common.wire import DeadlineExceededError, ProtocolError, UnauthenticatedError, VerifierBusyError
 
 _SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
@@ -47,6 +47,9 @@ def unreached(address: str, tls: None | bool | str | Path, exc: BaseException) -
                                     f"EDGESPEC_TOKEN): {exc}")
     if isinstance(exc, REFUSALS):
         return type(exc)(f"the verifier at {address} refused this edge: {exc}")
+    if isinstance(exc, VerifierBusyError):  # it answered: full now, not a configuration mistake
+        text = str(exc) if address in str(exc) else f"the verifier at {address} has no room for this session: {exc}"
+        return type(exc)(text if "retry later" in text else f"{text} (retry later)")
     text = str(exc)
     if isinstance(exc, DeadlineExceededError):
         cause = ("no answer at all: a wrong host or port, a firewall dropping the packets, or a TLS "

@@ -22,13 +22,30 @@ Kubernetes headless Service, see deploy/k8s/) and the edge chooses:
   time over its compute time as the edge's sessions observed them (Verified.queue_ms/compute_ms).
   Two choices keep placement nearly as balanced as a global minimum while a session id still has
   only two possible homes.
-- Failover by resync: a failure of the current replica (broken stream, refused connection, a full
-  replica) marks it dead for `dead_s`, and the SAME call continues on the next replica of the
-  ranking within the same deadline: Link.attach there (Open + Sync of the caller's committed
-  context), then the verify. The decoder owns the committed context and passes it to every call,
-  and the failed attempt returned nothing, so no token is lost or duplicated: the step is verified
-  again, against exactly that context, on the new replica. Only when every replica fails does the
-  error reach FailoverVerifier, whose local fallback and probe (through `revive`) take over.
+- Full replicas are skipped: one whose Info shows every stream taken (open_streams >= max_streams)
+  or that answered RESOURCE_EXHAUSTED within `dead_s` would refuse the session, and one with every
+  KV slot taken (live_sessions >= max_sessions) would evict another session to take it. Placement
+  goes down the ranking past them to a replica with room; only when none has any room does it use
+  a KV-full one (eviction is how such a replica makes room), and when every replica is full it
+  raises FleetFullError (a VerifierBusyError), which FailoverVerifier treats like an outage: the
+  local fallback, and a probe that re-attaches once a replica has room (no fallback: the error).
+- Slow is not dead: an Info probe opens a fresh channel (TCP, TLS, the HTTP/2 settings exchange,
+  the call: 1.2 s through a relay of 400 ms each way), so its timeout follows what this edge
+  measured of the replica -- INFO_TIMEOUT_FACTOR x the longer of its past probes (smoothed) and
+  SETUP_ROUND_TRIPS of its sessions' round trips, at least `info_timeout_s` (1 s), at most
+  `info_timeout_cap_s`: the link's connect timeout (link.CONNECT_TIMEOUT_S, 10 s), which is also
+  the timeout before anything is measured. A probe that times out doubles the next one's timeout
+  (up to the cap). A replica that answers within that is slow, and is used; one that does not,
+  or refuses the connection (at once), is dead for `dead_s`. The candidates are probed in
+  parallel, and a move's probes within what is left of the step's deadline.
+- Failover by resync: a failure of the current replica (broken stream, refused connection) marks
+  it dead for `dead_s` (a RESOURCE_EXHAUSTED answer: full for `dead_s`), and the SAME call
+  continues on the next replica with room within the same deadline: Link.attach there (Open +
+  Sync of the caller's committed context), then the verify. The decoder owns the committed
+  context and passes it to every call, and the failed attempt returned nothing, so no token is
+  lost or duplicated: the step is verified again, against exactly that context, on the new
+  replica. Only when every replica fails (or is full: FleetFullError) does the error reach
+  FailoverVerifier, whose local fallback and probe (through `revive`) take over.
 """
 from __future__ import annotations
 
@@ -40,18 +57,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
+import grpc
+
 from edgespec.common import wire
 from edgespec.common.acceptance import VerifyResult
 from edgespec.common.errors import VerifierConfigError, VerifierUnavailableError
 from edgespec.common.sampling import SamplingParams
 from edgespec.common.tree import TokenTree
+from edgespec.common.wire import VerifierBusyError
 from edgespec.edge.first_contact import check_address, is_refusal
-from edgespec.edge.link import CLIENT_ERRORS, Deadline, Link, LinkStats, make_channel
+from edgespec.edge.link import CLIENT_ERRORS, CONNECT_TIMEOUT_S, Deadline, Link, LinkStats, make_channel
 from edgespec.v1 import edgespec_pb2 as pb
 from edgespec.v1 import edgespec_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 DNS_PREFIX = "fleet:"
+INFO_TIMEOUT_FACTOR = 3.0    # an Info probe may take this many times what it is expected to take
+SETUP_ROUND_TRIPS = 3.0      # a fresh channel's Info in round trips: TCP, HTTP/2 settings, the call
+
+
+class FleetFullError(VerifierBusyError):
+    """No replica of the fleet has room for the session now (each is full, or unreachable)."""
 
 
 def is_fleet_spec(spec: str | None) -> bool:
@@ -118,12 +144,35 @@ class Replica:
     info_at: float = -1e9
     placed: int = 0               # sessions this edge placed here since that Info
     sessions: int = 0             # this edge's sessions on it now
+    max_streams: int = 0          # from its last Info (0: not known)
+    live_sessions: int = 0        # sessions holding a KV slot, from its last Info
+    max_sessions: int = 0         # its KV slots, from its last Info (0: not known)
+    full_until: float = 0.0       # monotonic; answered RESOURCE_EXHAUSTED, not chosen before then
+    full_error: str = ""
     queue_ms: float = 0.0         # EWMA of Verified.queue_ms seen by this edge's sessions
     compute_ms: float = 0.0       # EWMA of Verified.compute_ms
+    rtt_ms: float = 0.0           # EWMA of the network share of its Verify round trips (an open stream)
     steps: int = 0
+    info_s: float = 0.0           # EWMA of how long this edge's Info probes of it took (a fresh channel)
+    info_probes: int = 0          # probes answered
+    info_backoff_s: float = 0.0   # after a probe timed out: the next one's timeout is at least this
 
     def alive(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) >= self.dead_until
+
+    def full(self, now: float | None = None) -> str:
+        """Why a new session cannot be opened here ("" when it can): a recent RESOURCE_EXHAUSTED
+        answer, or every stream taken (its last Info plus the sessions placed here since)."""
+        if (time.monotonic() if now is None else now) < self.full_until:
+            return f"answered {self.full_error}"
+        if self.max_streams and self.open_streams + self.placed >= self.max_streams:
+            return f"full: {self.open_streams + self.placed}/{self.max_streams} open streams"
+        return ""
+
+    @property
+    def kv_full(self) -> bool:
+        """Every KV slot is taken: a new session would evict another (its next step resyncs)."""
+        return bool(self.max_sessions) and self.live_sessions + self.placed >= self.max_sessions
 
     @property
     def load(self) -> float:
@@ -149,12 +198,16 @@ class Fleet:
 
     def __init__(self, spec: str, *, token: str | None = None, tls: None | bool | str | Path = None,
                  server_name: str | None = None, choices: int = 2, dead_s: float = 5.0,
-                 info_timeout_s: float = 1.0, info_max_age_s: float = 2.0, resolve_interval_s: float = 30.0) -> None:
+                 info_timeout_s: float = 1.0, info_timeout_cap_s: float = CONNECT_TIMEOUT_S,
+                 info_max_age_s: float = 2.0, resolve_interval_s: float = 30.0) -> None:
+        """info_timeout_s / info_timeout_cap_s: the least and the most an Info probe of a replica
+        waits (`info_timeout`); dead_s: how long a failed replica, or a full one, is passed over."""
         self.spec = spec
         self._static, self._dns = parse_fleet(spec)
         self.token, self.tls, self.server_name = token, tls, server_name
         self.choices = max(1, int(choices))
         self.dead_s, self.info_timeout_s, self.info_max_age_s = dead_s, info_timeout_s, info_max_age_s
+        self.info_timeout_cap_s = max(info_timeout_s, info_timeout_cap_s)
         self.resolve_interval_s = resolve_interval_s
         self._lock = threading.RLock()
         self._replicas: dict[str, Replica] = {}
@@ -210,10 +263,12 @@ class Fleet:
         return [r for r in ranked if r.alive(now)] + [r for r in ranked if not r.alive(now)]
 
     # -- placement ---------------------------------------------------------------------------------
-    def place(self, key: str, exclude: Sequence[str] = ()) -> Replica | None:
+    def place(self, key: str, exclude: Sequence[str] = (), deadline: Deadline | None = None) -> Replica | None:
         """The replica for a new (or moving) session: the least loaded of the first `choices` live
-        replicas in its ranking; None when every replica is excluded. When none is live, the
-        ranking's first not excluded one (it may be back)."""
+        replicas in its ranking that have room (module docstring: full replicas are passed over,
+        further down the ranking if need be); None when every replica is excluded. When none is
+        live, the ranking's first not excluded one (it may be back). FleetFullError when no live
+        replica has room. `deadline`: the Info probes end with it (a move within a step)."""
         ranked = [r for r in self.ranking(key) if r.address not in exclude]
         if self._dns is not None and not any(r.alive() for r in ranked):  # a replaced replica may be listed now
             try:
@@ -223,27 +278,89 @@ class Fleet:
             ranked = [r for r in self.ranking(key) if r.address not in exclude]
         if not ranked:
             return None
-        live = [r for r in ranked if r.alive()][:self.choices]
+        live = [r for r in ranked if r.alive()]
         if not live:
             return ranked[0]
-        for r in live:
-            self._refresh_info(r)
+        roomy: list[Replica] = []     # streams and KV slots free
+        crowded: list[Replica] = []   # streams free, every KV slot taken (the replica would evict)
+        full: list[Replica] = []
+        i = 0
+        while not roomy and i < len(live):  # past full replicas, `choices` at a time, until one has room
+            batch, i = live[i:i + self.choices], i + self.choices
+            for r, ok in zip(batch, self._refresh_infos(batch, deadline)):
+                with self._lock:
+                    if not ok:
+                        continue
+                    (full if r.full() else crowded if r.kv_full else roomy).append(r)
+        pool = roomy or crowded[:self.choices]
+        if not pool:
+            if full:
+                raise FleetFullError(f"no replica of the fleet {self.spec} has room for a session now: "
+                                     f"{self.describe(exclude)}")
+            return live[0]  # no probe answered: the first of the ranking (the Link's own attempt will tell)
         with self._lock:
-            best = min(live, key=lambda r: (r.load, live.index(r)))
+            best = min(pool, key=lambda r: (r.load, ranked.index(r)))
             best.placed += 1
             return best
 
-    def _refresh_info(self, r: Replica) -> None:
-        """The replica's open streams from its Info (short timeout; a failure marks it dead)."""
-        if time.monotonic() - r.info_at < self.info_max_age_s:
-            return
-        try:
-            reply = self.info(r.address, self.info_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - any failure: not a candidate for now
-            self.failed(r, exc)
-            return
+    def info_timeout(self, r: Replica) -> float:
+        """How long an Info probe of `r` may take before `r` counts as dead (module docstring):
+        INFO_TIMEOUT_FACTOR x the probe time expected from what this edge measured, within
+        [info_timeout_s, info_timeout_cap_s]; the cap before anything is measured."""
         with self._lock:
-            r.open_streams, r.placed, r.info_at = int(reply.open_streams), 0, time.monotonic()
+            expected = max(r.info_s if r.info_probes else 0.0, SETUP_ROUND_TRIPS * r.rtt_ms / 1000)
+            timeout = INFO_TIMEOUT_FACTOR * expected if expected > 0 else self.info_timeout_cap_s
+            return min(self.info_timeout_cap_s, max(self.info_timeout_s, timeout, r.info_backoff_s))
+
+    def _refresh_infos(self, rs: Sequence[Replica], deadline: Deadline | None) -> list[bool]:
+        """`_refresh_info` of each, in parallel (a placement waits for the slowest, not the sum)."""
+        if len(rs) <= 1:
+            return [self._refresh_info(r, deadline) for r in rs]
+        out = [False] * len(rs)
+
+        def probe(n: int) -> None:
+            out[n] = self._refresh_info(rs[n], deadline)
+
+        threads = [threading.Thread(target=probe, args=(n,), name="edgespec-fleet-info", daemon=True)
+                   for n in range(len(rs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()  # each probe ends within its timeout
+        return out
+
+    def _refresh_info(self, r: Replica, deadline: Deadline | None = None) -> bool:
+        """The replica's load and capacity from its Info, unless fresh enough; False when it did not
+        answer (then it is marked dead, unless only the caller's deadline cut the wait short)."""
+        if time.monotonic() - r.info_at < self.info_max_age_s:
+            return True
+        timeout = self.info_timeout(r)
+        cut = deadline is not None and deadline.remaining() < timeout
+        if cut:
+            timeout = deadline.remaining()
+            if timeout <= 0:
+                return False
+        started = time.monotonic()
+        try:
+            reply = self.info(r.address, timeout)
+        except Exception as exc:  # noqa: BLE001 - any failure: not a candidate for now
+            timed_out = isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            if timed_out and cut:
+                return False  # the caller ran out of time; that says nothing about the replica
+            if timed_out:
+                with self._lock:
+                    r.info_backoff_s = min(self.info_timeout_cap_s, 2 * timeout)
+            self.failed(r, exc)
+            return False
+        took = time.monotonic() - started
+        with self._lock:
+            r.info_s += (0.25 if r.info_probes else 1.0) * (took - r.info_s)
+            r.info_probes += 1
+            r.info_backoff_s = 0.0
+            r.open_streams, r.max_streams = int(reply.open_streams), int(reply.max_streams)
+            r.live_sessions, r.max_sessions = int(reply.live_sessions), int(reply.max_sessions)
+            r.placed, r.info_at = 0, time.monotonic()
+        return True
 
     def info(self, address: str, timeout_s: float = 5.0) -> pb.InfoReply:
         channel = make_channel(address, self.tls, server_name=self.server_name)
@@ -260,13 +377,38 @@ class Fleet:
             r.dead_until = time.monotonic() + self.dead_s
             r.info_at = -1e9
 
+    def refused(self, r: Replica, exc: BaseException) -> None:
+        """`r` answered RESOURCE_EXHAUSTED (VerifierBusyError): full, not dead; passed over by
+        placement for `dead_s`."""
+        with self._lock:
+            r.full_error = f"{type(exc).__name__}: {exc}"[:300]
+            r.full_until = time.monotonic() + self.dead_s
+            r.info_at = -1e9
+
     def observe(self, r: Replica, result: VerifyResult) -> None:
         with self._lock:
             a = 0.2 if r.steps else 1.0
             r.queue_ms += a * (1000 * result.queue_s - r.queue_ms)
             r.compute_ms += a * (1000 * result.compute_s - r.compute_ms)
+            r.rtt_ms += a * (1000 * getattr(result, "network_s", 0.0) - r.rtt_ms)
             r.steps += 1
             r.dead_until = 0.0
+
+    def describe(self, exclude: Sequence[str] = ()) -> str:
+        """Each replica's state in a few words, for errors."""
+        now, out = time.monotonic(), []
+        with self._lock:
+            for r in sorted(self._replicas.values(), key=lambda r: r.address):
+                if r.full(now):
+                    state = r.full(now)
+                elif not r.alive(now):
+                    state = f"unreachable ({r.last_error})"
+                elif r.kv_full:
+                    state = f"every KV slot taken ({r.live_sessions}/{r.max_sessions})"
+                else:
+                    state = f"{r.open_streams + r.placed}/{r.max_streams or '?'} open streams"
+                out.append(f"{r.address}: {state}{' (tried)' if r.address in exclude else ''}")
+        return "; ".join(out)
 
     # -- aggregate metrics ---------------------------------------------------------------------------
     def metrics(self, timeout_s: float = 5.0) -> dict:
@@ -326,7 +468,10 @@ class FleetLink:
         self.moves: list[Move] = []
         self._reached = False
         self._closed = False
-        replica = fleet.place(key)
+        try:
+            replica = fleet.place(key)
+        except FleetFullError:  # the first contact asks them (a stream may have ended) and fails with it
+            replica = fleet.ranking(key)[0]
         if replica is None:
             raise VerifierConfigError(f"the fleet {fleet.spec!r} has no replica")
         self.replica = replica
@@ -383,9 +528,11 @@ class FleetLink:
 
     def revive(self) -> str:
         """For FailoverVerifier's probe: the address to health-check and re-attach next -- the current
-        replica while it is not known dead, else the best live one of the ranking."""
+        replica while it is not known dead or full, else the best live one with room (FleetFullError
+        when none has room: the probe tries again at its next interval)."""
         with self._lock:
-            if self.replica.alive():
+            now = time.monotonic()
+            if self.replica.alive(now) and now >= self.replica.full_until:
                 return self.replica.address
         best = self.fleet.place(self.key)
         return self.replica.address if best is None else best.address
@@ -405,9 +552,11 @@ class FleetLink:
     # -- routing -------------------------------------------------------------------------------------
     def _routed(self, op: Callable[[Link], T], deadline: Deadline) -> T:
         """Run `op` on the current replica; on a replica failure, move to the next and run it again,
-        while the deadline lasts and replicas are left."""
+        while the deadline lasts and replicas are left. A replica that answers RESOURCE_EXHAUSTED
+        is full, not dead; when no replica has room, FleetFullError."""
         with self._lock:
             tried: set[str] = set()
+            busy = False
             while True:
                 try:
                     result = op(self._link)
@@ -418,9 +567,20 @@ class FleetLink:
                     if self._closed or not movable(exc):
                         raise
                     tried.add(self.replica.address)
-                    self.fleet.failed(self.replica, exc)
-                    nxt = self.fleet.place(self.key, exclude=tuple(tried)) if deadline.remaining() > 0 else None
+                    if isinstance(exc, VerifierBusyError):
+                        busy = True
+                        self.fleet.refused(self.replica, exc)
+                    else:
+                        self.fleet.failed(self.replica, exc)
+                    try:
+                        nxt = (self.fleet.place(self.key, exclude=tuple(tried), deadline=deadline)
+                               if deadline.remaining() > 0 else None)
+                    except FleetFullError as full:
+                        raise full from exc
                     if nxt is None:
+                        if busy and not isinstance(exc, FleetFullError):
+                            raise FleetFullError(f"no replica of the fleet {self.fleet.spec} has room for a session "
+                                                 f"now: {self.fleet.describe(tried)}") from exc
                         raise
                     self._move(nxt, f"{self.replica.address} failed: {type(exc).__name__}: {exc}"[:300])
 

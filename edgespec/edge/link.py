@@ -61,6 +61,9 @@ _END = object()
 _RESULT_FIELDS = {f.name for f in dataclasses.fields(VerifyResult)}  # per-step link figures, where supported
 # Errors about the request itself: the stream ends, but the channel and the verifier are fine.
 CLIENT_ERRORS = (InvalidRequestError, ContextOverflowError)
+# How long one connection attempt may take (below); also the longest an Info probe of a fleet replica
+# may wait (edge/fleet.py): a probe opens a fresh channel, so it may need as long as connecting does.
+CONNECT_TIMEOUT_S = 10.0
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),          # notice a dead peer during long idle chats
     ("grpc.keepalive_timeout_ms", 10_000),
@@ -74,7 +77,7 @@ CHANNEL_OPTIONS = [
     # (TCP + TLS + the HTTP/2 settings exchange, several round trips). At 250 ms a link slower than
     # ~250 ms one way (satellite, a congested cellular uplink) never finished connecting. A refused
     # connection still fails at once and is retried after the 250 ms initial backoff.
-    ("grpc.min_reconnect_backoff_ms", 10_000),
+    ("grpc.min_reconnect_backoff_ms", int(CONNECT_TIMEOUT_S * 1000)),
     ("grpc.max_reconnect_backoff_ms", 3000),
 ]
 

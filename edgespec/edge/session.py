@@ -138,7 +138,10 @@ class EdgeSession:
         A verifier that cannot be reached at all when the session starts (wrong address, port, TLS
         settings, token, model) raises here, naming the cause (VerifierConfigError, or the refusal's
         own error): fallback never hides a configuration mistake. `local_first=True` starts
-        verifying locally instead, attaching the verifier once the probe reaches it.
+        verifying locally instead, attaching the verifier once the probe reaches it. A verifier
+        (or every replica of a fleet) that answers it is full (RESOURCE_EXHAUSTED) is not a
+        configuration mistake: with a fallback the session starts locally the same way, without
+        one it raises VerifierBusyError (FleetFullError for a fleet).
 
         Draft pool (edgespec/edge/pool): `lookup=True` adds a model-free lookup expert (the
         conversation so far) under the draft model, and `experts` adds any others (LoRA adapters,

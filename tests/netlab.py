@@ -59,6 +59,9 @@ __all__ = [
     "socket_in",
     "connect_from",
     "list_netns",
+    "drain",
+    "read_line",
+    "start_verifier",
 ]
 
 T = TypeVar("T")
@@ -539,3 +542,39 @@ def wait_for(cond: Callable[[], bool], timeout_s: float, interval_s: float = 0.0
             return True
         time.sleep(interval_s)
     return bool(cond())
+
+
+VERIFIER_READY = "edgespec-verifier listening on "   # `edgespec verifier serve`'s first stdout line
+
+
+def drain(stream: Any, sink: list[str]) -> None:
+    """Read a child's text pipe to its end into `sink` (so that the child never blocks on a full pipe)."""
+    for line in stream:
+        sink.append(line)
+
+
+def read_line(stream: Any, timeout_s: float) -> str:
+    """The next line of a child's text pipe, stripped ("" if none came within timeout_s)."""
+    box: list[str] = []
+    reader = threading.Thread(target=lambda: box.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    return box[0].strip() if box else ""
+
+
+def start_verifier(ns: str, host: str, model: os.PathLike | str, port: int = 0, *extra: str, n_ctx: int = 2048,
+                   timeout_s: float = 60.0) -> tuple[subprocess.Popen[str], int]:
+    """`python -m edgespec verifier serve` inside namespace `ns` on host:port (0: a free port), with the
+    `extra` flags; returns the process and its port once it listens. A verifier that does not say
+    so within `timeout_s` is killed: RuntimeError with the end of its stderr."""
+    proc = run_in(ns, [sys.executable, "-m", "edgespec", "verifier", "serve", "--model", str(model), "--host", host,
+                       "--port", str(port), "--n-ctx", str(n_ctx), "--exit-with-parent", *extra],
+                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err: list[str] = []
+    threading.Thread(target=drain, args=(proc.stderr, err), daemon=True).start()
+    line = read_line(proc.stdout, timeout_s)
+    if not line.startswith(VERIFIER_READY):
+        proc.kill()
+        raise RuntimeError(f"verifier did not start in {ns}: {line!r} {''.join(err)[-2000:]}")
+    threading.Thread(target=drain, args=(proc.stdout, []), daemon=True).start()
+    return proc, int(line.rsplit(":", 1)[1])

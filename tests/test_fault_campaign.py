@@ -64,7 +64,6 @@ PROBE_S = 0.3
 PROMPTS = ["Explain, step by step and in detail, how a computer boots.",
            "Write a detailed essay about the history of the printing press."]
 BASE_DELAY_MS, BASE_JITTER_MS = 10, 3
-READY_PREFIX = "edgespec-verifier listening on "
 
 EDGE = r"""
 import json, sys, time
@@ -113,31 +112,8 @@ def pair():
         yield p
 
 
-def drain(stream, sink: list) -> None:
-    for line in stream:
-        sink.append(line)
-
-
 def start_verifier(ns: str, host: str, model: Path, port: int = 0, *extra: str) -> tuple[subprocess.Popen, int]:
-    proc = netlab.run_in(ns, [sys.executable, "-m", "edgespec", "verifier", "serve", "--model", str(model),
-                              "--host", host, "--port", str(port), "--n-ctx", str(N_CTX), "--exit-with-parent",
-                              *extra],
-                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    err: list[str] = []
-    threading.Thread(target=drain, args=(proc.stderr, err), daemon=True).start()
-    line = readline(proc.stdout, 60)
-    assert line.startswith(READY_PREFIX), f"verifier did not start in {ns}: {line!r} {''.join(err)[-2000:]}"
-    threading.Thread(target=drain, args=(proc.stdout, []), daemon=True).start()
-    return proc, int(line.rsplit(":", 1)[1])
-
-
-def readline(stream, timeout_s: float) -> str:  # noqa: ANN001 - a text pipe
-    """The next line of a child's pipe, stripped ("" if none came within timeout_s)."""
-    box: list[str] = []
-    reader = threading.Thread(target=lambda: box.append(stream.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    return box[0].strip() if box else ""
+    return netlab.start_verifier(ns, host, model, port, *extra, n_ctx=N_CTX)
 
 
 class Edge:
@@ -148,7 +124,7 @@ class Edge:
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.stderr: list[str] = []
         self.messages: queue.Queue = queue.Queue()
-        threading.Thread(target=drain, args=(self.proc.stderr, self.stderr), daemon=True).start()
+        threading.Thread(target=netlab.drain, args=(self.proc.stderr, self.stderr), daemon=True).start()
         threading.Thread(target=self._read, daemon=True).start()
         self.steps: list[dict] = []
         self.switches: list[dict] = []
@@ -413,7 +389,7 @@ def test_fleet_fault_campaign(star, smol_path, smol_model):
         home, second, full = ranking(session_id)
         squat = netlab.run_in(star.hub, [sys.executable, "-c", SQUAT, addrs[full], smol_model.tokenizer_fingerprint()],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert readline(squat.stdout, 60) == "held"
+        assert netlab.read_line(squat.stdout, 60) == "held"
         edge = Edge(star.hub, {"model": str(smol_path), "address": spec, "n_ctx": N_CTX, "shape": SHAPE,
                                "deadline_s": FLEET_DEADLINE_S, "probe_s": PROBE_S, "prompts": PROMPTS[:1],
                                "max_tokens": FLEET_MAX_TOKENS, "session_id": session_id})
@@ -478,7 +454,7 @@ def test_fleet_fault_campaign(star, smol_path, smol_model):
                 seen[-3:]
             squat.stdin.write("go\n")  # the full replica's own client was never disturbed
             squat.stdin.flush()
-            assert readline(squat.stdout, 60) == "verified 1"
+            assert netlab.read_line(squat.stdout, 60) == "verified 1"
             edge.finish()
         finally:
             for proc in (edge.proc, squat):

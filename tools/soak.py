@@ -56,7 +56,6 @@ SHAPE = (6, 3, 2, 2)          # TreeShape(budget, max_depth, branching, width)
 DEADLINE_S = 2.0             # 3 edges share a 2-core verifier here: 1 s sends most steps local
 PROBE_S = 0.3
 BASE_DELAY_MS, BASE_JITTER_MS = 10, 3
-READY_PREFIX = "edgespec-verifier listening on "
 KINDS = ("delay_spike", "jitter", "stall", "partition", "half_open", "relay_reset", "verifier_kill",
          "verifier_slow", "edge_restart")
 CONVERSATIONS = [
@@ -112,28 +111,9 @@ while True:
 """
 
 
-def drain(stream, sink: list) -> None:  # noqa: ANN001
-    for line in stream:
-        sink.append(line)
-
-
-def start_verifier(ns: str, host: str, model: Path, port: int = 0, timeout_s: float = 120) -> tuple[subprocess.Popen, int]:
-    proc = netlab.run_in(ns, [sys.executable, "-m", "edgespec", "verifier", "serve", "--model", str(model),
-                              "--host", host, "--port", str(port), "--n-ctx", str(N_CTX), "--max-sessions", "8",
-                              "--keepalive-s", "5", "--exit-with-parent"],
-                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    err: list[str] = []
-    threading.Thread(target=drain, args=(proc.stderr, err), daemon=True).start()
-    box: list[str] = []
-    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    line = box[0].strip() if box else ""
-    if not line.startswith(READY_PREFIX):
-        proc.kill()
-        raise RuntimeError(f"verifier did not start in {ns}: {line!r} {''.join(err)[-2000:]}")
-    threading.Thread(target=drain, args=(proc.stdout, []), daemon=True).start()
-    return proc, int(line.rsplit(":", 1)[1])
+def start_verifier(ns: str, host: str, model: Path, port: int = 0) -> tuple[subprocess.Popen, int]:
+    return netlab.start_verifier(ns, host, model, port, "--max-sessions", "8", "--keepalive-s", "5", n_ctx=N_CTX,
+                                 timeout_s=120)
 
 
 @dataclass
@@ -177,7 +157,7 @@ class Edge:
         self.stderr = []
         self.proc = netlab.run_in(self.ns, [sys.executable, "-c", EDGE, json.dumps(args)], stdin=subprocess.DEVNULL,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        threading.Thread(target=drain, args=(self.proc.stderr, self.stderr), daemon=True).start()
+        threading.Thread(target=netlab.drain, args=(self.proc.stderr, self.stderr), daemon=True).start()
         threading.Thread(target=self._read, args=(self.proc, self.incarnation), daemon=True).start()
 
     def _read(self, proc: subprocess.Popen, incarnation: int) -> None:

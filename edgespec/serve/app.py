@@ -242,7 +242,7 @@ def parse_chat(body: Any, cfg: Any) -> tuple[list[dict[str, str]], Params, bool,
     response_format = body.get("response_format")
     if response_format is not None:   # refused here, with its reason, rather than in the session thread
         try:
-            Grammar.from_response_format(response_format)
+            response_format = Grammar.from_response_format(response_format)   # chat() uses it as built
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), param="response_format", code="invalid_value") from None
     params = Params(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),

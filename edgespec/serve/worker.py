@@ -22,6 +22,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from edgespec.common.constraints import Grammar
+
 log = logging.getLogger("edgespec.serve")
 
 
@@ -32,7 +34,7 @@ class Params:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    response_format: dict | None = None   # checked by the app (common/constraints.py Grammar)
+    response_format: Grammar | None = None   # compiled by the app from the request's response_format
 
 
 @dataclasses.dataclass

@@ -63,6 +63,8 @@ class RecordedTargetVerifier:
         tokens = [int(tree.tokens[n]) for n in path]
         if at + len(path) < len(self.sequence):
             tokens.append(self.sequence[at + len(path)])
+        if not tokens:   # a decoder asking past the recording would otherwise loop on empty steps
+            raise ValueError("asked to verify past the end of the recorded answer")
         return VerifyResult(path=path, tokens=tokens)
 
     def close(self) -> None:
@@ -141,7 +143,9 @@ def main() -> int:
             source: Drafter | DraftPool = drafter
             if name == "model+lookup":   # a fresh lookup index per run: nothing leaks between prompts
                 source = DraftPool([ModelExpert.around("draft", drafter), LookupExpert(), TemplateExpert.for_model(draft_model)])
-            out, stats = decode(source, recorded, shape, draft_model, prompt, args.max_tokens)
+            # A target that stopped (end of generation) before max_tokens: its answer is the whole
+            # recording, and the speculative run asks for exactly that many tokens.
+            out, stats = decode(source, recorded, shape, draft_model, prompt, min(args.max_tokens, len(answer)))
             if out != answer[:len(out)]:
                 raise AssertionError(f"{label}/{name}: speculative output left the target's answer")
             rows.append({"set": kind, "item": label, "config": name, "tau": stats.tau, "steps": stats.steps,

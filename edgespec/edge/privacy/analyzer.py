@@ -10,7 +10,7 @@ Nothing is downloaded at run time: the spaCy model is a pip package installed by
 would call `spacy.cli.download`). The e-mail recognizer's tldextract is told not to fetch the
 public suffix list.
 
-Speed (one 200-word prompt, one core: 63 ms before, about 20 ms after, docs/BENCHMARKS.md):
+Speed (one 200-word prompt, CPU time on one core: 45 ms before, 23 ms after, docs/BENCHMARKS.md):
 - Only the `ner` pipe runs. In the small English model it carries its own embedding; the shared
   `tok2vec` feeds only the tagger and parser, which, like the lemmatizer, serve presidio's context
   enhancement, not used here.

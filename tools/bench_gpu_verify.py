@@ -149,7 +149,8 @@ def check_engine(attention: str) -> dict:
 
 
 # -- 3. attention kernels ---------------------------------------------------------------------
-def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict) -> list[dict]:
+def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict,
+                    configs: str = "0x0w4s2,64x64w4s2,128x64w8s2,128x32w8s3,64x32w4s3") -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from edgespec.verifier.torch.triton_attention import TritonPagedAttention
@@ -171,7 +172,10 @@ def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict) -> list
         row = {"batch": B, "context": L, "tree": T, "floor_ms": floor, "hbm_floor_ms": kv_bytes / ceil["copy_bytes_per_s"] * 1000,
                "compute_floor_ms": flops / ceil["bf16_flop_per_s"] * 1000}
         best = None
-        for bm, bn, warps, stages in ((0, 0, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3)):
+        for cfg in configs.split(","):   # "BMxBNwWARPSsSTAGES", 0x0: the kernel's own choice
+            tile, _, rest = cfg.partition("w")
+            bm, bn = (int(v) for v in tile.split("x"))
+            warps, stages = (int(v) for v in rest.split("s"))
             TritonPagedAttention.BLOCK_M, TritonPagedAttention.BLOCK_N = bm, bn
             TritonPagedAttention.NUM_WARPS, TritonPagedAttention.NUM_STAGES = warps, stages
             try:
@@ -386,6 +390,74 @@ def bench_capacity(args, config: ModelConfig, dtype) -> list[dict]:
     return rows
 
 
+def profile_steps(args, config: ModelConfig, dtype) -> list[dict]:
+    """Where a replayed step's time goes: each kernel's mean time per step (CUPTI through
+    torch.profiler, 20 replays) for a few (B, T) cells, and the gap (replay time minus the sum of
+    kernel times: launch and dependency stalls between graph nodes). Also each weight matrix's
+    matmul alone, against the copy ceiling."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(args.device)
+    model = TransformerLM.random(config, dtype=dtype, device=device, max_positions=args.context + 256)
+    engine = Engine(model, num_blocks=8 * (-(-(args.context + 128) // 16) + 2) + 8, block_size=16,
+                    attention="triton", cuda_graphs=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for B, T in [tuple(int(x) for x in cell.split("x")) for cell in args.profile_cells.split(",")]:
+        seqs = fill(engine, B, args.context)
+        steps = [TreeStep(s, rng.integers(0, config.vocab_size, size=T).tolist(), random_parents(T, rng)) for s in seqs]
+
+        def step() -> None:
+            engine.verify(steps)
+            for s in seqs:
+                s.truncate(args.context)
+
+        step()
+        st = next(v for k, v in engine._static.items() if k[:2] == (_bucket(B), _bucket(T)))
+        graph = next(iter(st.graph.values()))[0]
+        replay = cuda_ms(graph.replay, 10, 50)
+        n = 20
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                graph.replay()
+            torch.cuda.synchronize()
+        kernels = {}
+        for e in prof.events():
+            if e.device_type.name == "CUDA" and e.device_time_total > 0:
+                k = kernels.setdefault(e.name[:90], [0.0, 0])
+                k[0] += e.device_time_total / n
+                k[1] += 1 / n
+        total_us = sum(v[0] for v in kernels.values())
+        top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
+        row = {"batch": B, "tree": T, "replay_ms": replay, "kernel_sum_ms": total_us / 1000,
+               "kernels_per_step": round(sum(v[1] for v in kernels.values()), 1),
+               "top": [{"name": k, "us_per_step": round(v[0], 2), "launches_per_step": round(v[1], 1)} for k, v in top]}
+        rows.append(row)
+        log("[profile]", json.dumps({k: v for k, v in row.items() if k != "top"}))
+        for t in row["top"]:
+            log(f"    {t['us_per_step']:9.2f} us  x{t['launches_per_step']:<6} {t['name']}")
+        for s in seqs:
+            s.close()
+    # each matmul alone (rotating over 4 copies of the weight so L2 does not hold it)
+    c = config
+    q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+    shapes = {"wqkv": (q + 2 * kv, c.d_model), "wo": (c.d_model, q), "w13": (2 * c.d_ff, c.d_model),
+              "w2": (c.d_model, c.d_ff), "head": (c.vocab_size, c.d_model)}
+    bw = ceilings()["copy_bytes_per_s"] if device.type == "cuda" else math.nan
+    for name, (n_out, n_in) in shapes.items():
+        ws = [torch.randn(n_out, n_in, device=device, dtype=dtype) for _ in range(4 if name != "head" else 2)]
+        for M in (1, 8, 64, 512):
+            x = torch.randn(M, n_in, device=device, dtype=dtype)
+            it = iter(range(10 ** 9))
+            ms = cuda_ms(lambda: torch.nn.functional.linear(x, ws[next(it) % len(ws)]), 10, 50)
+            floor = n_out * n_in * 2 / bw * 1000
+            rows.append({"matmul": name, "M": M, "ms": ms, "hbm_floor_ms": floor})
+            log(f"[matmul] {name:5s} [{n_out}x{n_in}] M={M:4d}: {ms * 1000:8.2f} us, floor {floor * 1000:7.2f} us, "
+                f"{floor / ms:.2f} of the copy ceiling")
+        del ws
+    return rows
+
+
 def _bucket(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -438,11 +510,15 @@ def main() -> int:
     p.add_argument("--skip", default="",
                    help="comma-separated sections to skip: ceilings,checks,attention,step,hf,capacity")
     p.add_argument("--attention-shapes", default="8x4096,32x2048,8x32768")
+    p.add_argument("--attention-configs", default="0x0w4s2,64x64w4s2,128x64w8s2,128x32w8s3,64x32w4s3",
+                   help="Triton tile configurations to time: BMxBNwWARPSsSTAGES, comma-separated")
     p.add_argument("--capacity-sessions", default="1,8,32")
     p.add_argument("--capacity-trees", default="1,16,32")
     p.add_argument("--capacity-s", type=float, default=4.0, help="measured seconds per capacity cell")
     p.add_argument("--capacity-warmup-s", type=float, default=4.0)
     p.add_argument("--out", default=None, help="write all results here (JSON)")
+    p.add_argument("--profile-cells", default="",
+                   help="BxT cells to profile kernel by kernel (e.g. 1x1,1x64,8x64); empty: no profile")
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     cuda = args.device.startswith("cuda")
@@ -479,9 +555,11 @@ def main() -> int:
         log("[check] engine with CUDA graphs vs accept_greedy on eager logits:", json.dumps(result["engine_checks"]))
     if cuda and ceil and "attention" not in skip:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.attention_shapes.split(",")]
-        result["attention"] = bench_attention(shapes, 64, args.warmup, args.iters, ceil)
+        result["attention"] = bench_attention(shapes, 64, args.warmup, args.iters, ceil, args.attention_configs)
     config = ModelConfig.tiny("qwen2") if args.small else ModelConfig.qwen2_1_5b()
     dtype = torch.bfloat16 if cuda else torch.float32
+    if cuda and args.profile_cells:
+        result["profile"] = profile_steps(args, config, dtype)
     if "step" not in skip:
         result["step"] = bench_steps(args, config, dtype, ceil)
     if cuda and not args.small and "hf" not in skip:

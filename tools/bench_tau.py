@@ -20,7 +20,7 @@ import json
 import random
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -120,6 +120,8 @@ def main() -> int:
     ap.add_argument("--configs", default="model+lookup", help="of model, model+lookup (the pool)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the rows already in --json and measure only the prompts after them (same seed)")
     ap.add_argument("--report", type=Path, help="only print the table of a saved --json")
     args = ap.parse_args()
     if args.report:
@@ -132,9 +134,13 @@ def main() -> int:
     # Alternate the two sets so that a run stopped early has measured both.
     items = [it for pair in zip(items[:args.spec_bench_prompts], items[args.spec_bench_prompts:]) for it in pair] + \
         items[2 * min(args.spec_bench_prompts, args.humaneval):]
-    rows: list[dict] = []
+    rows: list[dict] = json.loads(args.json.read_text()) if args.resume and args.json and args.json.exists() else []
+    done = Counter(r["set"] for r in rows if r["config"] == args.configs.split(",")[0])
     started = time.time()
     for kind, label, text in items:
+        if done[kind] > 0:   # measured in an earlier run: items of a set come in the same order for a seed
+            done[kind] -= 1
+            continue
         prompt = draft_model.chat_tokens([{"role": "user", "content": text}])
         # The target's own answer, a little longer than asked so the last tree can be checked to its depth.
         answer, _ = decode(drafter, target, TreeShape.target_only(), draft_model, prompt, args.max_tokens + args.depth + 1)

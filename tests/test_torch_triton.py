@@ -24,7 +24,7 @@ def test_pack_ancestor_bits():
     assert bits[0, 0].tolist() == [1 - 2 ** 31, 0] and bits[0, 1].tolist() == [2, 2]
 
 
-@pytest.mark.parametrize("nsplit", [1, 3])
+@pytest.mark.parametrize("nsplit", [1, 3, 5])
 def test_triton_kernel_equals_reference(nsplit):
     g = torch.Generator().manual_seed(nsplit)
     rng = np.random.default_rng(nsplit)
@@ -75,6 +75,16 @@ def test_fused_ops_equal_torch_references():
     assert torch.allclose(q, q_ref, atol=1e-6) and torch.allclose(cache, cache_ref, atol=1e-6)
     gu = torch.randn(6, 2 * 40, generator=g)
     assert torch.allclose(fused.silu_mul(gu), fused.silu_mul_torch(gu), atol=1e-6)
+    # argmax and top-2 margin over several 4096-wide chunks, with ties inside a chunk and across chunks
+    logits = torch.randn(5, 9000, generator=g)
+    logits[1, [7, 4100]] = 50.0          # the maximum twice, in two chunks: the first index, margin 0
+    logits[2, [8001, 8002]] = 60.0       # twice in one chunk
+    logits[3, 8999] = 70.0               # in the last, partial chunk
+    logits[4, 4095], logits[4, 4096] = 40.0, 39.5
+    arg, margin = fused.argmax_top2(logits)
+    arg_ref, margin_ref = fused.argmax_top2_torch(logits)
+    assert arg.tolist() == arg_ref.tolist() == [int(logits[0].argmax()), 7, 8001, 8999, 4095]
+    assert torch.allclose(margin, margin_ref) and margin[1] == 0 and margin[2] == 0 and margin[4] == 0.5
 
 
 def test_engine_with_triton_kernels_equals_torch_engine():

@@ -244,7 +244,12 @@ def bench_steps(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dic
     attentions = args.attention.split(",")
     per_seq = -(-(args.context + max(trees)) // 16) + 2
     for variant in attentions:
+        variant, _, policy = variant.partition("@")   # triton@P:K: TARGET_PROGRAMS P, MIN_SPLIT_KEYS K
         attention, _, unfused = variant.partition("-")
+        if policy:
+            from edgespec.verifier.torch.triton_attention import TritonPagedAttention
+            TritonPagedAttention.TARGET_PROGRAMS, TritonPagedAttention.MIN_SPLIT_KEYS = (int(v) for v in policy.split(":"))
+            variant += "@" + policy
         engine = Engine(model, num_blocks=max(batches) * per_seq + 8, block_size=16, attention=attention,
                         cuda_graphs=device.type == "cuda" and not args.no_graph,
                         fused=False if unfused == "unfused" else None)
@@ -254,6 +259,8 @@ def bench_steps(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dic
             rows.append({"attention": variant, "error": f"{type(exc).__name__}: {exc}"[:600]})
             log("[step] failed:", rows[-1])
         torch.cuda.empty_cache() if device.type == "cuda" else None
+        if policy:
+            TritonPagedAttention.TARGET_PROGRAMS, TritonPagedAttention.MIN_SPLIT_KEYS = 264, 128
     model.fused_ops = False
     return rows
 
@@ -393,8 +400,7 @@ def bench_capacity(args, config: ModelConfig, dtype) -> list[dict]:
 def profile_steps(args, config: ModelConfig, dtype) -> list[dict]:
     """Where a replayed step's time goes: each kernel's mean time per step (CUPTI through
     torch.profiler, 20 replays) for a few (B, T) cells, and the gap (replay time minus the sum of
-    kernel times: launch and dependency stalls between graph nodes). Also each weight matrix's
-    matmul alone, against the copy ceiling."""
+    kernel times: launch and dependency stalls between graph nodes)."""
     from torch.profiler import ProfilerActivity, profile
 
     device = torch.device(args.device)
@@ -438,23 +444,6 @@ def profile_steps(args, config: ModelConfig, dtype) -> list[dict]:
             log(f"    {t['us_per_step']:9.2f} us  x{t['launches_per_step']:<6} {t['name']}")
         for s in seqs:
             s.close()
-    # each matmul alone (rotating over 4 copies of the weight so L2 does not hold it)
-    c = config
-    q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-    shapes = {"wqkv": (q + 2 * kv, c.d_model), "wo": (c.d_model, q), "w13": (2 * c.d_ff, c.d_model),
-              "w2": (c.d_model, c.d_ff), "head": (c.vocab_size, c.d_model)}
-    bw = ceilings()["copy_bytes_per_s"] if device.type == "cuda" else math.nan
-    for name, (n_out, n_in) in shapes.items():
-        ws = [torch.randn(n_out, n_in, device=device, dtype=dtype) for _ in range(4 if name != "head" else 2)]
-        for M in (1, 8, 64, 512):
-            x = torch.randn(M, n_in, device=device, dtype=dtype)
-            it = iter(range(10 ** 9))
-            ms = cuda_ms(lambda: torch.nn.functional.linear(x, ws[next(it) % len(ws)]), 10, 50)
-            floor = n_out * n_in * 2 / bw * 1000
-            rows.append({"matmul": name, "M": M, "ms": ms, "hbm_floor_ms": floor})
-            log(f"[matmul] {name:5s} [{n_out}x{n_in}] M={M:4d}: {ms * 1000:8.2f} us, floor {floor * 1000:7.2f} us, "
-                f"{floor / ms:.2f} of the copy ceiling")
-        del ws
     return rows
 
 
@@ -503,7 +492,8 @@ def main() -> int:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--trees", default="1,16,64,128")
     p.add_argument("--attention", default="triton,torch",
-                   help="engine variants to time: triton, torch, and either with -unfused (no fused.py kernels)")
+                   help="engine variants to time: triton, torch, and either with -unfused (no fused.py kernels); "
+                        "triton@P:K sets the key-split policy (about P programs, >= K keys per split)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--no-graph", action="store_true")

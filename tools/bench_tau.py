@@ -41,6 +41,7 @@ class RecordedTargetVerifier:
 
     def __init__(self, sequence: Sequence[int]) -> None:
         self.sequence = list(sequence)   # prompt + the target's greedy answer
+        self.trees: list[dict] = []      # every tree verified: {"at": context length, "tokens", "parents"}
 
     def sync(self, context: Sequence[int]) -> None:
         if list(context) != self.sequence[:len(context)]:
@@ -50,6 +51,7 @@ class RecordedTargetVerifier:
         at = len(context)
         if list(context) != self.sequence[:at]:
             raise ValueError("context left the recorded answer")
+        self.trees.append({"at": at, "tokens": [int(t) for t in tree.tokens], "parents": [int(p) for p in tree.parents]})
         children: dict[int, list[int]] = defaultdict(list)
         for i in range(1, len(tree)):
             children[int(tree.parents[i])].append(i)
@@ -120,6 +122,9 @@ def main() -> int:
     ap.add_argument("--configs", default="model+lookup", help="of model, model+lookup (the pool)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--record-trees", type=Path,
+                    help="append each prompt's recorded answer and every tree the pool drafted for it here (JSON "
+                         "lines: set, item, prompt, answer, trees), e.g. for bench_gpu_verify.py --capacity-trees-from")
     ap.add_argument("--resume", action="store_true",
                     help="keep the rows already in --json and measure only the prompts after them (same seed)")
     ap.add_argument("--report", type=Path, help="only print the table of a saved --json")
@@ -154,6 +159,11 @@ def main() -> int:
             out, stats = decode(source, recorded, shape, draft_model, prompt, min(args.max_tokens, len(answer)))
             if out != answer[:len(out)]:
                 raise AssertionError(f"{label}/{name}: speculative output left the target's answer")
+            if args.record_trees:
+                with args.record_trees.open("a") as f:
+                    f.write(json.dumps({"set": kind, "item": label, "config": name, "prompt": prompt,
+                                        "answer": answer[:len(out)], "trees": recorded.trees}) + "\n")
+                recorded.trees = []
             rows.append({"set": kind, "item": label, "config": name, "tau": stats.tau, "steps": stats.steps,
                          "tokens": stats.tokens, "drafted": stats.drafted, "accepted": stats.accepted,
                          "draft_s": stats.draft_seconds})

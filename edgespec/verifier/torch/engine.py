@@ -470,9 +470,12 @@ class Engine:
         slots = slot_of(iv["tables"], ctx[:, None] + node[None, :], bs)
         attend = self.attention_cls(iv["tables"], ctx, anc, bs, self.model.config.group)
         logits = self.model(tokens, ctx[:, None] + depth, slots, self.cache.flat, attend)
-        argmax = logits.argmax(-1)
-        top2 = logits.topk(2, dim=-1).values
-        margin = top2[..., 0] - top2[..., 1]
+        if self.fused:
+            from edgespec.verifier.torch import fused
+            argmax, margin = (v.view(B, T) for v in fused.argmax_top2(logits.view(B * T, -1)))
+        else:
+            from edgespec.verifier.torch.fused import argmax_top2_torch
+            argmax, margin = argmax_top2_torch(logits)
         if mode == GREEDY:
             choice = argmax
         else:

@@ -52,6 +52,13 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate) * up).to(gate_up.dtype)
 
 
+def argmax_top2_torch(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [rows, V] -> (argmax [rows] int64, the first index of the maximum; top-2 margin [rows]:
+    the largest minus the second largest value, 0 when the maximum occurs twice)."""
+    top2 = logits.topk(2, dim=-1).values
+    return logits.argmax(-1), top2[..., 0] - top2[..., 1]
+
+
 # -- Triton kernels -------------------------------------------------------------------------------
 if triton is not None:
     @triton.jit
@@ -103,6 +110,37 @@ if triton is not None:
         u = tl.load(GU + row * 2 * F_ + F_ + cols, mask=ok, other=0.0).to(tl.float32)
         y = g / (1.0 + tl.exp(-g)) * u
         tl.store(O + row * F_ + cols, y.to(O.dtype.element_ty), mask=ok)
+
+
+    @triton.jit
+    def _argmax_top2_kernel(X, Arg, Margin, V: tl.constexpr, BLOCK: tl.constexpr):
+        """One pass over a row: the running maximum, its first index and the runner-up (torch.topk(2)
+        plus argmax read the 600 KB row of a 152k vocabulary three times and launch ~10 kernels)."""
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        m1 = tl.full([], float("-inf"), tl.float32)
+        m2 = tl.full([], float("-inf"), tl.float32)
+        i1 = tl.full([], 0, tl.int64)
+        for start in range(0, V, BLOCK):
+            idx = start + cols
+            x = tl.load(X + row.to(tl.int64) * V + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            cm = tl.max(x, 0)
+            ci = tl.min(tl.where(x == cm, idx, V), 0)          # first index of the chunk's maximum
+            c2 = tl.max(tl.where(idx == ci, float("-inf"), x), 0)
+            better = cm > m1                                      # ties keep the earlier index
+            m2 = tl.where(better, tl.maximum(m1, c2), tl.maximum(m2, cm))
+            i1 = tl.where(better, ci.to(tl.int64), i1)
+            m1 = tl.where(better, cm, m1)
+        tl.store(Arg + row, i1)
+        tl.store(Margin + row, m1 - m2)
+
+
+def argmax_top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, V = logits.shape
+    arg = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    margin = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    _argmax_top2_kernel[(rows,)](logits, arg, margin, V, BLOCK=4096, num_warps=8)
+    return arg, margin
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

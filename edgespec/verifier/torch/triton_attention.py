@@ -62,7 +62,7 @@ def _tile(q, KV, Tables, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, 
 
 
 @triton.jit
-def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L,
+def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
                      sm_scale, kv_stride_kv, n_tables, T, G, W, MT,
                      MAX_TILES: tl.constexpr, INTERPRET: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr,
                      D: tl.constexpr, BS: tl.constexpr,
@@ -108,41 +108,41 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L,
         for it in range(plain, tl.cdiv(end - start, BLOCK_N)):
             m_i, l_i, acc = _tile(q, KV, Tables, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, start + it * BLOCK_N,
                                   end, qk_scale, kv_stride_kv, n_tables, T, W, H_KV, D, BS, BLOCK_N, True)
-    base = (pid_bh * NSPLIT + pid_s) * MT + rows
-    tl.store(M + base, m_i, mask=row_ok)
-    tl.store(L + base, l_i, mask=row_ok)
-    tl.store(Acc + base[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+    if NSPLIT == 1:   # one split: normalise and write the output here (no merge launch)
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        o_ptr = O + ((b * T + t) * H_Q + h * G + g)[:, None] * D + d[None, :]
+        tl.store(o_ptr, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        base = (pid_bh * NSPLIT + pid_s) * MT + rows
+        tl.store(M + base, m_i, mask=row_ok)
+        tl.store(L + base, l_i, mask=row_ok)
+        tl.store(Acc + base[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
 
 
 @triton.jit
 def _tree_attn_merge(Acc, M, L, O, T, G, MT,
                      H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr,
-                     BLOCK_R: tl.constexpr):
+                     SPLITS_P2: tl.constexpr):
+    """One program per (sequence, KV head, query row): every split's partial result is loaded in
+    one go (no loop of dependent loads: a merge is latency-bound, not bandwidth-bound)."""
     pid_bh = tl.program_id(0)
-    pid_r = tl.program_id(1)
+    row = tl.program_id(1)
     b = pid_bh // H_KV
     h = pid_bh % H_KV
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < G * T
+    sp = tl.arange(0, SPLITS_P2)
+    sp_ok = sp < NSPLIT
     d = tl.arange(0, D)
-    m_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for s in range(NSPLIT):
-        m = tl.load(M + (pid_bh * NSPLIT + s) * MT + rows, mask=row_ok, other=float("-inf"))
-        m_max = tl.maximum(m_max, m)
+    base = (pid_bh * NSPLIT + sp) * MT + row
+    m = tl.load(M + base, mask=sp_ok, other=float("-inf"))
+    l_ = tl.load(L + base, mask=sp_ok, other=0.0)
+    acc = tl.load(Acc + base[:, None] * D + d[None, :], mask=sp_ok[:, None], other=0.0)
+    m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    num = tl.zeros([BLOCK_R, D], tl.float32)
-    den = tl.zeros([BLOCK_R], tl.float32)
-    for s in range(NSPLIT):
-        base = (pid_bh * NSPLIT + s) * MT + rows
-        m = tl.load(M + base, mask=row_ok, other=float("-inf"))
-        w = tl.exp2(m - m_max)
-        den += w * tl.load(L + base, mask=row_ok, other=0.0)
-        num += w[:, None] * tl.load(Acc + base[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-    out = num / tl.maximum(den, 1e-30)[:, None]
-    t = rows // G
-    g = rows % G
-    o_ptr = O + ((b * T + t) * H_Q + h * G + g)[:, None] * D + d[None, :]
-    tl.store(o_ptr, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    w = tl.exp2(m - m_max)
+    out = tl.sum(w[:, None] * acc, 0) / tl.maximum(tl.sum(w * l_, 0), 1e-30)
+    t = row // G
+    g = row % G
+    tl.store(O + ((b * T + t) * H_Q + h * G + g) * D + d, out.to(O.dtype.element_ty))
 
 
 def pack_ancestor_bits(anc: torch.Tensor) -> torch.Tensor:
@@ -162,6 +162,8 @@ class TritonPagedAttention:
     BLOCK_N = 0
     NUM_WARPS = 4
     NUM_STAGES = 2
+    TARGET_PROGRAMS = 264   # key splits aim at about this many programs (2 waves of the H200's 132 SMs) ...
+    MIN_SPLIT_KEYS = 128    # ... but give each split at least this many keys (fewer partials to write and merge)
 
     def tile_config(self, rows: int) -> tuple[int, int]:
         """(BLOCK_M, BLOCK_N): tall tiles for tall query groups (fewer re-reads of K/V), short ones
@@ -182,11 +184,11 @@ class TritonPagedAttention:
         self.nsplit = nsplit
 
     def splits(self, B: int, h_kv: int, m_tiles: int) -> int:
-        """Enough programs to fill ~2 waves of 132 SMs, but >= 2 key tiles per split."""
+        """Enough programs to fill the GPU (TARGET_PROGRAMS), but >= MIN_SPLIT_KEYS keys per split."""
         if self.nsplit:
             return self.nsplit
-        want = math.ceil(264 / max(1, B * h_kv * m_tiles))
-        most = max(1, self.max_keys // 128)
+        want = math.ceil(self.TARGET_PROGRAMS / max(1, B * h_kv * m_tiles))
+        most = max(1, self.max_keys // self.MIN_SPLIT_KEYS)
         return int(max(1, min(want, most, 32)))
 
     def __call__(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
@@ -198,18 +200,19 @@ class TritonPagedAttention:
         block_m, block_n = self.tile_config(MT)
         m_tiles = triton.cdiv(MT, block_m)
         ns = self.splits(B, Hkv, m_tiles)
-        acc = torch.empty(B * Hkv, ns, MT, D, dtype=torch.float32, device=q.device)
-        m = torch.empty(B * Hkv, ns, MT, dtype=torch.float32, device=q.device)
+        out = torch.empty_like(q)
+        parts = ns if ns > 1 else 0   # one split writes `out` itself
+        acc = torch.empty(B * Hkv, parts, MT, D, dtype=torch.float32, device=q.device)
+        m = torch.empty(B * Hkv, parts, MT, dtype=torch.float32, device=q.device)
         l_ = torch.empty_like(m)
         W = self.bits.shape[2]
         _tree_attn_split[(B * Hkv, ns, m_tiles)](
-            q, cache, self.tables, self.ctx, self.bits, acc, m, l_,
+            q, cache, self.tables, self.ctx, self.bits, acc, m, l_, out,
             1.0 / math.sqrt(D), cache.stride(0), self.tables.shape[1], T, G, W, MT,
             MAX_TILES=triton.cdiv(triton.cdiv(self.max_keys + T, block_n), ns) if INTERPRET else 0,
             INTERPRET=INTERPRET, H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=self.NUM_WARPS, num_stages=self.NUM_STAGES)
-        out = torch.empty_like(q)
-        block_r = 32
-        _tree_attn_merge[(B * Hkv, triton.cdiv(MT, block_r))](
-            acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns, BLOCK_R=block_r, num_warps=4)
+        if ns > 1:
+            _tree_attn_merge[(B * Hkv, MT)](acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns,
+                                           SPLITS_P2=triton.next_power_of_2(ns), num_warps=1)
         return out

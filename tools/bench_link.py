@@ -41,17 +41,31 @@ re-decode).
   .venv/bin/python tools/bench_link.py --quick                     # 1 RTT, 1 rate, 1 prompt, 16 tokens
   .venv/bin/python tools/bench_link.py --json docs/bench/link.json # full grid, table + docs/bench/link_speedup.png
   .venv/bin/python tools/bench_link.py --rtts 50 --mbits 100 --modes ar,router --multi-turn 6  # router vs AR
+
+--local-link: the same run on one host with no namespaces and no tc (a GPU VM may have neither;
+rates are irrelevant there): the verifier listens on 127.0.0.1, the relay too, and only the relay's
+delay changes per condition (the Mbit/s column reads "-"). --verifier-args passes options to the
+verifier (e.g. its torch backend on the GPU), --draft-threads the edge's llama.cpp threads (default:
+EdgeSession's choice for a remote verifier, every core but one up to 8), and --warmup-tokens an
+untimed pass over every prompt, mode and (adaptive session) ladder shape first, so a GPU verifier
+has captured its CUDA graphs (one per tree-size/context bucket) before any clock runs:
+
+  .venv/bin/python tools/bench_link.py --local-link --rtts 0,50,100 --warmup-tokens 32 --max-tokens 80 \
+      --verifier-args="--backend torch --device cuda" --draft-threads 8 --json /tmp/e2e.json --no-plot
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import queue
+import shlex
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -136,8 +150,91 @@ def tbf_stats(pair: netlab.NetnsPair) -> dict:
     return out
 
 
+@dataclass
+class Link:
+    """The edge's way to the verifier: the relay's addresses, and how a condition is applied.
+
+    Two kinds (see the module docstring): namespaces with a tbf rate (`netns_link`) and plain
+    loopback (`local_link`); the benchmark loop is the same for both."""
+
+    edge_address: str                            # where the edge connects: the relay's listening port
+    control: tuple[str, int]                     # the relay's control port (delay, stats)
+    verifier_address: str
+    token: str
+    set_rate: Callable[[float], None]            # Mbit/s on both directions (a no-op on loopback)
+    edge_side: Callable[[], contextlib.AbstractContextManager]  # where the edge's thread must live
+    rate_stats: Callable[[], dict]               # the rate limiter's counters, per condition
+
+
+def start_relay(upstream: str, host: str, netns: str | None = None) -> tuple[subprocess.Popen, dict]:
+    """tools/netrelay.py as a child (its own process: the edge's GIL never delays a byte), inside
+    `netns` if given (then killed with the namespace pair); returns it and its ready line (listen
+    and control addresses)."""
+    argv = [sys.executable, str(REPO / "tools" / "netrelay.py"), "--listen", f"{host}:0", "--upstream", upstream,
+            "--control", "127.0.0.1:0"]
+    kw: dict = {"stdout": subprocess.PIPE, "text": True, "stdin": subprocess.DEVNULL}
+    relay = netlab.run_in(netns, argv, **kw) if netns else subprocess.Popen(argv, **kw)
+    return relay, json.loads(read_line(relay, 30))
+
+
+@contextlib.contextmanager
+def netns_link(target: Path, args: argparse.Namespace) -> Iterator[Link]:
+    """Verifier in namespace B, relay in A, a tbf rate on both veth ends (needs root and `ip netns`)."""
+    from edgespec.edge.embedded import EmbeddedVerifier
+
+    ok, why = netlab.netns_available()
+    if not ok:
+        raise SystemExit(f"bench_link needs network namespaces (or --local-link): {why}")
+    with netlab.netns_pair() as pair:
+        vp = EmbeddedVerifier(target, n_ctx=args.n_ctx, max_nodes=128, max_sessions=4, host=pair.ip_b,
+                              command_prefix=["ip", "netns", "exec", pair.ns_b], wait_serving=False,
+                              extra_args=["--threads", "1", *shlex.split(args.verifier_args)])
+        try:
+            _, info = start_relay(vp.address, pair.ip_a, pair.ns_a)
+            host, port = info["control"].rsplit(":", 1)
+            print(f"verifier {vp.address} (netns {pair.ns_b}); relay {info['listen']} (netns {pair.ns_a})",
+                  file=sys.stderr, flush=True)
+
+            def set_rate(mbit: float) -> None:
+                netlab.set_rate(pair.ns_a, mbit)
+                netlab.set_rate(pair.ns_b, mbit)
+
+            # The edge's thread enters namespace A before the process touches gRPC, so gRPC's
+            # threads (created lazily, shared by all channels) live in A.
+            yield Link(info["listen"], (host, int(port)), vp.address, vp.token, set_rate,
+                       lambda: netlab.in_netns(pair.ns_a), lambda: tbf_stats(pair))
+        finally:
+            vp.stop()
+
+
+@contextlib.contextmanager
+def local_link(target: Path, args: argparse.Namespace) -> Iterator[Link]:
+    """Verifier and relay on 127.0.0.1, no namespaces, no rate limit: only the relay's delay
+    changes. For hosts without `ip netns`/tc (a GPU VM), where the link's rate is not the question."""
+    from edgespec.edge.embedded import EmbeddedVerifier
+
+    vp = EmbeddedVerifier(target, n_ctx=args.n_ctx, max_nodes=128, max_sessions=4, host="127.0.0.1",
+                          extra_args=["--threads", "1", *shlex.split(args.verifier_args)])
+    relay = None
+    try:
+        relay, info = start_relay(vp.address, "127.0.0.1")
+        host, port = info["control"].rsplit(":", 1)
+        print(f"verifier {vp.address}; relay {info['listen']} (loopback, no rate limit)", file=sys.stderr, flush=True)
+        yield Link(info["listen"], (host, int(port)), vp.address, vp.token, lambda mbit: None,
+                   contextlib.nullcontext, dict)
+    finally:
+        if relay is not None:
+            relay.terminate()
+            try:
+                relay.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                relay.kill()
+        vp.stop()
+
+
 def make_sessions(draft: Path, target: Path, address: str, token: str, n_ctx: int,
-                  modes: tuple[str, ...] = MODES, router_state: Path | None = None):
+                  modes: tuple[str, ...] = MODES, router_state: Path | None = None,
+                  draft_threads: int | None = None) -> dict:
     from edgespec.edge.drafting import TreeShape
     from edgespec.edge.session import EdgeSession
 
@@ -148,7 +245,8 @@ def make_sessions(draft: Path, target: Path, address: str, token: str, n_ctx: in
             # fallback=False: a slow step must not be verified by a local copy of the target (that
             # would measure the device, not the link); the step deadline is then the link's 60 s.
             sessions[mode] = EdgeSession(draft, target, verifier=address, token=token, tree=shapes[mode], n_ctx=n_ctx,
-                                         fallback=False, router=router_state if mode == "router" else None)
+                                         fallback=False, router=router_state if mode == "router" else None,
+                                         draft_threads=draft_threads)
     except BaseException:
         for s in sessions.values():
             s.close()
@@ -175,14 +273,30 @@ def one_run(session, prompt: list[int], max_tokens: int) -> tuple[dict, list[int
     return delta, out
 
 
+def warm_up(sessions: dict, prompts: list[list[int]], tokens: int) -> None:
+    """Untimed, at no added delay: every session generates `tokens` on every prompt, the adaptive
+    one once per ladder shape. A GPU verifier captures a CUDA graph on the first use of each
+    (tree size, context length) bucket; without this the first timed runs would pay for the
+    captures. The router session is left out: what it learned would change its later choices."""
+    from edgespec.edge.planner import LADDER
+
+    for prompt in prompts:
+        for mode, s in sessions.items():
+            if mode == "adaptive":
+                for shape in LADDER:
+                    s.tree_shape = shape
+                    one_run(s, prompt, tokens)
+                s.tree_shape = None
+            elif mode != "router":
+                one_run(s, prompt, tokens)
+
+
 def run(args: argparse.Namespace) -> dict:
     from edgespec.common import modelstore
 
-    ok, why = netlab.netns_available()
-    if not ok:
-        raise SystemExit(f"bench_link needs network namespaces: {why}")
+    import netrelay
     rtts = [float(x) for x in args.rtts.split(",")]
-    rates = [float(x) for x in args.mbits.split(",")]
+    rates = [0.0] if args.local_link else [float(x) for x in args.mbits.split(",")]  # 0: no rate limit
     code = load_prompts(args.spec_bench, args.humaneval, 0)
     prose = load_prompts(args.spec_bench, 0, args.spec)
     named: list = [p for pair in zip(code, prose) for p in pair] + code[len(prose):] + prose[len(code):]  # alternate
@@ -195,121 +309,182 @@ def run(args: argparse.Namespace) -> dict:
     cells = {(r, m, mode): Cell(r, m, mode) for (r, m) in conds for mode in modes}
     meta: dict = {"machine": machine(), "command": " ".join(["python", *sys.argv]), "draft": draft.name,
                   "target": target.name, "max_tokens": args.max_tokens, "rtts_ms": rtts, "mbits": rates,
-                  "prompts": [n for n, _ in named], "modes": modes, "tbf": {}, "relay": {}}
+                  "prompts": [n for n, _ in named], "modes": modes, "tbf": {}, "relay": {},
+                  "link": "loopback" if args.local_link else "netns", "verifier_args": args.verifier_args,
+                  "warmup_tokens": args.warmup_tokens}
     try:
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "edgespec"],
                                capture_output=True, text=True, timeout=10).stdout.strip()
-        meta["git"] = head + (" (edgespec/ has uncommitted changes)" if dirty else "")
+        meta["git"] = (head + (" (edgespec/ has uncommitted changes)" if dirty else "")) or "unknown"
     except (OSError, subprocess.SubprocessError):
         meta["git"] = "unknown"
     started = time.monotonic()
-    with netlab.netns_pair() as pair:
-        from edgespec.edge.embedded import EmbeddedVerifier
-        vp = EmbeddedVerifier(target, n_ctx=args.n_ctx, max_nodes=128, max_sessions=4, host=pair.ip_b,
-                              command_prefix=["ip", "netns", "exec", pair.ns_b], wait_serving=False,
-                              extra_args=["--threads", "1"])
-        try:
-            relay = netlab.run_in(pair.ns_a, [sys.executable, str(REPO / "tools" / "netrelay.py"),
-                                              "--listen", f"{pair.ip_a}:0", "--upstream", vp.address,
-                                              "--control", "127.0.0.1:0"],
-                                  stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
-            info = json.loads(read_line(relay, 30))
-            host, port = info["control"].rsplit(":", 1)
-            control = (host, int(port))
-            edge_address = info["listen"]
-            print(f"verifier {vp.address} (netns {pair.ns_b}); relay {edge_address} (netns {pair.ns_a})",
-                  file=sys.stderr, flush=True)
-            import netrelay
-            # From here on this thread lives in namespace A: gRPC's threads are created here.
-            with netlab.in_netns(pair.ns_a):
-                router_state = args.router_state or Path(tempfile.mkdtemp(prefix="bench-link-")) / "router.npz"
-                sessions = make_sessions(draft, target, edge_address, vp.token, args.n_ctx, modes, router_state)
-                try:
-                    # gRPC shares one subchannel (TCP connection) between channels to the same
-                    # address, so the three sessions may use one connection: at least one must exist.
-                    meta["relay_connections"] = relay_stats(control)["connections"]
-                    if meta["relay_connections"] < 1:
-                        raise RuntimeError("the sessions did not connect through the relay")
-                    tokenized = [sessions["ar"].draft_model.chat_tokens(
-                        [{"role": "user", "content": text}] if isinstance(text, str) else text) for _, text in named]
-                    meta["prompt_tokens"] = [len(t) for t in tokenized]
-                    from edgespec.edge.planner import Planner
-                    planners = {c: Planner() for c in conds}
-                    done_prompts = 0
-                    for pi, prompt in enumerate(tokenized):
-                        if pi and time.monotonic() - started > args.budget_min * 60:
-                            print(f"time budget reached after {pi} prompts", file=sys.stderr, flush=True)
-                            break
-                        for mode, s in sessions.items():  # warm-up: prefill on both ends, untimed
+    with (local_link if args.local_link else netns_link)(target, args) as link:
+        control = link.control
+        meta["verifier_ready_s"] = round(time.monotonic() - started, 1)
+        with link.edge_side():
+            router_state = args.router_state or Path(tempfile.mkdtemp(prefix="bench-link-")) / "router.npz"
+            sessions = make_sessions(draft, target, link.edge_address, link.token, args.n_ctx, modes, router_state,
+                                     args.draft_threads)
+            try:
+                meta["draft_threads"] = next(iter(sessions.values())).threads["draft"]
+                # gRPC shares one subchannel (TCP connection) between channels to the same
+                # address, so the three sessions may use one connection: at least one must exist.
+                meta["relay_connections"] = relay_stats(control)["connections"]
+                if meta["relay_connections"] < 1:
+                    raise RuntimeError("the sessions did not connect through the relay")
+                first = next(iter(sessions.values()))
+                tokenized = [first.draft_model.chat_tokens(
+                    [{"role": "user", "content": text}] if isinstance(text, str) else text) for _, text in named]
+                meta["prompt_tokens"] = [len(t) for t in tokenized]
+                from edgespec.edge.planner import Planner
+                planners = {c: Planner() for c in conds}
+                if args.warmup_tokens:
+                    t0 = time.monotonic()
+                    link.set_rate(max(rates))
+                    netrelay.control(control, "delay 0 0")
+                    warm_up(sessions, tokenized, args.warmup_tokens)
+                    meta["warmup_s"] = round(time.monotonic() - t0, 1)
+                    print(f"[{time.monotonic() - started:6.0f} s] warm-up done in {meta['warmup_s']:.0f} s",
+                          file=sys.stderr, flush=True)
+                done_prompts = 0
+                for pi, prompt in enumerate(tokenized):
+                    if pi and time.monotonic() - started > args.budget_min * 60:
+                        print(f"time budget reached after {pi} prompts", file=sys.stderr, flush=True)
+                        break
+                    for mode, s in sessions.items():  # warm-up: prefill on both ends, untimed
+                        if mode == "adaptive":
+                            s.decoder.planner = Planner()
+                        one_run(s, prompt, 1)
+                    for (rtt, mbit) in conds:
+                        link.set_rate(mbit)
+                        netrelay.control(control, f"delay {rtt / 2:g} {rtt / 2:g}")
+                        for mode, s in sessions.items():
                             if mode == "adaptive":
-                                s.decoder.planner = Planner()
-                            one_run(s, prompt, 1)
-                        for (rtt, mbit) in conds:
-                            netlab.set_rate(pair.ns_a, mbit)
-                            netlab.set_rate(pair.ns_b, mbit)
-                            netrelay.control(control, f"delay {rtt / 2:g} {rtt / 2:g}")
-                            for mode, s in sessions.items():
-                                if mode == "adaptive":
-                                    s.decoder.planner = planners[(rtt, mbit)]
-                                r0 = relay_stats(control)
-                                d, out = one_run(s, prompt, args.max_tokens)
-                                r1 = relay_stats(control)
-                                c = cells[(rtt, mbit, mode)]
-                                c.runs += 1
-                                for k, v in d.items():
-                                    if k == "shapes":
-                                        for label, n in v.items():
-                                            c.shapes[label] = c.shapes.get(label, 0) + n
-                                    else:
-                                        setattr(c, k, getattr(c, k) + v)
-                                c.relay_bytes_up += r1["bytes_up"] - r0["bytes_up"]
-                                c.relay_bytes_down += r1["bytes_down"] - r0["bytes_down"]
-                                c.outputs.append(out)
-                                meta.setdefault("runs", []).append(
-                                    {"prompt": named[pi][0], "rtt_ms": rtt, "mbit": mbit, "mode": mode,
-                                     **{k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}})
-                                print(f"[{time.monotonic() - started:6.0f} s] {named[pi][0]:22s} rtt {rtt:g} ms "
-                                      f"{mbit:g} Mbit/s {mode:8s}: {d['tokens']} tok in {d['seconds']:.2f} s = "
-                                      f"{d['tokens'] / max(d['seconds'], 1e-9):.2f} tok/s, tau "
-                                      f"{d['tokens'] / max(d['steps'], 1):.2f}, rtt "
-                                      f"{d['link_rtt_ms'] / max(d['steps'], 1):.1f} ms, compute "
-                                      f"{d['link_compute_ms'] / max(d['steps'], 1):.0f} ms/step",
-                                      file=sys.stderr, flush=True)
-                            meta["tbf"].setdefault(f"{rtt:g}ms/{mbit:g}Mbit", []).append(tbf_stats(pair))
-                        done_prompts += 1
-                    meta["prompts_done"] = done_prompts
-                    fo = {m: getattr(s, "failover", None) for m, s in sessions.items()}
-                    meta["failover"] = {m: f.counters for m, f in fo.items() if f is not None}
-                    if any(c.get("local_steps") for c in meta["failover"].values()):
-                        print("WARNING: some steps were verified locally (failover)", file=sys.stderr)
-                    meta["relay"] = relay_stats(control)
-                    meta["planner_final"] = {f"{r:g}ms/{m:g}Mbit": planners[(r, m)].snapshot() for (r, m) in conds}
-                    if "router" in sessions:
-                        meta["router_final"] = sessions["router"].stats.extra.get("planner", {}).get("router")
-                finally:
-                    for s in sessions.values():
-                        s.close()
-        finally:
-            vp.stop()
+                                s.decoder.planner = planners[(rtt, mbit)]
+                            r0 = relay_stats(control)
+                            d, out = one_run(s, prompt, args.max_tokens)
+                            r1 = relay_stats(control)
+                            c = cells[(rtt, mbit, mode)]
+                            c.runs += 1
+                            for k, v in d.items():
+                                if k == "shapes":
+                                    for label, n in v.items():
+                                        c.shapes[label] = c.shapes.get(label, 0) + n
+                                else:
+                                    setattr(c, k, getattr(c, k) + v)
+                            c.relay_bytes_up += r1["bytes_up"] - r0["bytes_up"]
+                            c.relay_bytes_down += r1["bytes_down"] - r0["bytes_down"]
+                            c.outputs.append(out)
+                            meta.setdefault("runs", []).append(
+                                {"prompt": named[pi][0], "rtt_ms": rtt, "mbit": mbit, "mode": mode,
+                                 **{k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}})
+                            print(f"[{time.monotonic() - started:6.0f} s] {named[pi][0]:22s} rtt {rtt:g} ms "
+                                  f"{rate_label(mbit)} Mbit/s {mode:8s}: {d['tokens']} tok in {d['seconds']:.2f} s = "
+                                  f"{d['tokens'] / max(d['seconds'], 1e-9):.2f} tok/s, tau "
+                                  f"{d['tokens'] / max(d['steps'], 1):.2f}, rtt "
+                                  f"{d['link_rtt_ms'] / max(d['steps'], 1):.1f} ms, compute "
+                                  f"{d['link_compute_ms'] / max(d['steps'], 1):.0f} ms/step",
+                                  file=sys.stderr, flush=True)
+                        if mbit:
+                            meta["tbf"].setdefault(f"{rtt:g}ms/{mbit:g}Mbit", []).append(link.rate_stats())
+                    done_prompts += 1
+                meta["prompts_done"] = done_prompts
+                fo = {m: getattr(s, "failover", None) for m, s in sessions.items()}
+                meta["failover"] = {m: f.counters for m, f in fo.items() if f is not None}
+                if any(c.get("local_steps") for c in meta["failover"].values()):
+                    print("WARNING: some steps were verified locally (failover)", file=sys.stderr)
+                meta["relay"] = relay_stats(control)
+                meta["planner_final"] = {f"{r:g}ms/{rate_label(m)}Mbit": planners[(r, m)].snapshot()
+                                         for (r, m) in conds}
+                if "router" in sessions:
+                    meta["router_final"] = sessions["router"].stats.extra.get("planner", {}).get("router")
+            finally:
+                for s in sessions.values():
+                    s.close()
     meta["wall_s"] = time.monotonic() - started
-    return {"meta": meta, "cells": [dict(asdict(c), tok_s=c.tok_s, tau=c.tau) for c in cells.values()]}
+    res = {"meta": meta, "cells": [dict(asdict(c), tok_s=c.tok_s, tau=c.tau) for c in cells.values()]}
+    add_agreement(res)
+    return res
+
+
+def rate_label(mbit: float) -> str:
+    """A condition's rate as the tables show it: "-" where no rate limit was set (--local-link)."""
+    return f"{mbit:g}" if mbit else "-"
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two outputs differ (a shorter one differs where it ends), or None."""
+    if a == b:
+        return None
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def add_agreement(res: dict) -> None:
+    """Losslessness per cell: `agree_tokens` of `ar_tokens` = the AR output's tokens (same prompt, same
+    RTT, same verifier) that the mode reproduced before its first difference, and `diverge_at`,
+    that position per prompt (None: identical). Greedy speculation is lossless up to floating point,
+    so anything below 1.0 is either a near-tie of the target's logits or a bug."""
+    by = {(c["rtt_ms"], c["mbit"], c["mode"]): c for c in res["cells"]}
+    for (rtt, mbit, _mode), c in by.items():
+        ref = by.get((rtt, mbit, "ar"), {}).get("outputs", [])
+        c["diverge_at"] = [first_difference(a, b) for a, b in zip(ref, c["outputs"])]
+        c["ar_tokens"] = sum(len(a) for a in ref[:len(c["outputs"])])
+        c["agree_tokens"] = sum(len(a) if k is None else k for a, k in zip(ref, c["diverge_at"]))
 
 
 def agreement(res: dict) -> list[str]:
-    """Greedy outputs of chain4/adaptive vs cloud-only AR, per condition and prompt."""
+    """Greedy outputs of every mode vs cloud-only AR (same condition and prompt), and of AR at each
+    condition vs AR at the first: where they first differ."""
+    if any("diverge_at" not in c for c in res["cells"]):
+        add_agreement(res)
     by = {(c["rtt_ms"], c["mbit"], c["mode"]): c for c in res["cells"]}
     notes = []
     for (rtt, mbit, mode), c in by.items():
-        if mode == "ar":
-            continue
-        ref = by[(rtt, mbit, "ar")]["outputs"]
-        for i, (a, b) in enumerate(zip(ref, c["outputs"])):
-            if a != b:
-                k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                notes.append(f"rtt {rtt:g} ms, {mbit:g} Mbit/s, {mode}, prompt {i}: differs from AR at token {k}")
+        for i, k in enumerate(c["diverge_at"]):
+            if k is not None:
+                notes.append(f"rtt {rtt:g} ms, {rate_label(mbit)} Mbit/s, {mode}, prompt {i}: differs from AR at token {k}")
+    m = res["meta"]
+    ref = by[(m["rtts_ms"][0], m["mbits"][0], "ar")]["outputs"]
+    for (rtt, mbit, mode), c in by.items():
+        if mode == "ar" and c["outputs"] is not ref:
+            for i, (a, b) in enumerate(zip(ref, c["outputs"])):
+                k = first_difference(a, b)
+                if k is not None:
+                    notes.append(f"AR at rtt {rtt:g} ms, {rate_label(mbit)} Mbit/s, prompt {i}: differs from AR at "
+                                 f"rtt {m['rtts_ms'][0]:g} ms at token {k} (the verifier is not deterministic)")
     return notes
+
+
+def summary(res: dict) -> str:
+    """One row per condition: cloud-only AR tok/s, every other mode as a ratio to it, and the share of
+    AR's tokens each mode reproduced before its first difference (1.00: lossless on these prompts)."""
+    if any("agree_tokens" not in c for c in res["cells"]):
+        add_agreement(res)
+    m = res["meta"]
+    by = {(c["rtt_ms"], c["mbit"], c["mode"]): c for c in res["cells"]}
+    others = [mode for mode in m.get("modes", MODES) if mode != "ar"]
+    rows = ["| RTT ms | Mbit/s | AR tok/s | " + " | ".join(f"{o} tok/s (× AR)" for o in others) + " | "
+            + " | ".join(f"{o}: tokens = AR" for o in others) + " |",
+            "|---|---|---|" + "---|" * (2 * len(others))]
+    for mbit in m["mbits"]:
+        for rtt in m["rtts_ms"]:
+            base = by[(rtt, mbit, "ar")]
+            if not base["steps"]:
+                continue
+            speed, agree = [], []
+            for o in others:
+                c = by[(rtt, mbit, o)]
+                ratio = c["tok_s"] / base["tok_s"] if base["tok_s"] else float("nan")
+                speed.append(f"{c['tok_s']:.2f} ({ratio:.2f}×)")
+                first = [k for k in c["diverge_at"] if k is not None]
+                agree.append(f"{c['agree_tokens'] / max(c['ar_tokens'], 1):.3f}"
+                             + (f" (first diff at token {min(first)})" if first else ""))
+            rows.append(f"| {rtt:g} | {rate_label(mbit)} | {base['tok_s']:.2f} | " + " | ".join(speed) + " | "
+                        + " | ".join(agree) + " |")
+    return "\n".join(rows)
 
 
 def markdown(res: dict) -> str:
@@ -329,19 +504,27 @@ def markdown(res: dict) -> str:
                     continue
                 sp = c["tok_s"] / base["tok_s"] if base["tok_s"] else float("nan")
                 rows.append(
-                    f"| {rtt:g} | {mbit:g} | {mode} | {c['tok_s']:.2f} | {c['tau']:.2f} | {c['drafted'] / st:.1f} | "
+                    f"| {rtt:g} | {rate_label(mbit)} | {mode} | {c['tok_s']:.2f} | {c['tau']:.2f} | "
+                    f"{c['drafted'] / st:.1f} | "
                     f"{c['link_wall_ms'] / st:.0f} | {c['link_compute_ms'] / st:.0f} | {c['link_rtt_ms'] / st:.1f} | "
                     f"{c['link_step_bytes_up'] / st:.0f} / {c['link_step_bytes_down'] / st:.0f} | "
                     f"{c['relay_bytes_up'] / st:.0f} / {c['relay_bytes_down'] / st:.0f} | {sp:.2f}× | "
                     + ", ".join(f"{k} {v}" for k, v in sorted(c.get("shapes", {}).items(), key=lambda kv: -kv[1]))
                     + " |")
     mm = m["machine"]
+    if m.get("link") == "loopback":
+        serve = f"edgespec verifier serve --threads 1 {m.get('verifier_args') or ''}".strip()
+        where = (f"verifier `{serve}`"
+                 + " and relay on 127.0.0.1 of the same host, no rate limit; edge draft threads "
+                 f"{m.get('draft_threads', '?')}; warm-up {m.get('warmup_tokens', 0)} tokens per prompt, mode and shape")
+    else:
+        where = "verifier: 1 llama.cpp thread, same 2-core CPU as the drafter"
     head = (f"Machine: `{mm['arch']}`, {mm['nproc']} cores, {mm['cpu']}; {mm['date_utc']}. Draft {m['draft']}, "
-            f"target {m['target']} (verifier: 1 llama.cpp thread, same 2-core CPU as the drafter). "
+            f"target {m['target']} ({where}). "
             f"Prompts ({m.get('prompts_done', 0)} of {len(m['prompts'])} run): "
             f"{', '.join(m['prompts'][:m.get('prompts_done', 0)])}; greedy, {m['max_tokens']} new tokens each; "
             f"wall {m['wall_s'] / 60:.1f} min; code {m.get('git', '?')}.")
-    return head + "\n\n" + "\n".join(rows)
+    return head + "\n\n" + summary(res) + "\n\n" + "\n".join(rows)
 
 
 def plot(res: dict, path: Path) -> None:
@@ -360,20 +543,23 @@ def plot(res: dict, path: Path) -> None:
             xs = [r for r in m["rtts_ms"] if by[(r, mbit, mode)]["steps"]]
             tok = [by[(r, mbit, mode)]["tok_s"] for r in xs]
             sp = [by[(r, mbit, mode)]["tok_s"] / by[(r, mbit, "ar")]["tok_s"] for r in xs]
-            label = f"{mode}, {mbit:g} Mbit/s"
+            label = f"{mode}, {rate_label(mbit)} Mbit/s"
             ax1.plot(xs, tok, ls, color=color, marker=marker, label=label)
             ax2.plot(xs, sp, ls, color=color, marker=marker, label=label)
     # The physical ceiling of cloud-only AR: one round trip plus one target forward per token.
     for mbit in m["mbits"][:1]:
         xs = [r for r in m["rtts_ms"] if by[(r, mbit, "ar")]["steps"]]
         bound = [1000 / (r + by[(r, mbit, "ar")]["link_compute_ms"] / by[(r, mbit, "ar")]["steps"]) for r in xs]
-        ax1.plot(xs, bound, ":", color="grey", label=f"1 / (RTT + measured AR compute), {mbit:g} Mbit/s runs")
+        ax1.plot(xs, bound, ":", color="grey", label=f"1 / (RTT + measured AR compute), {rate_label(mbit)} Mbit/s runs")
     ax1.legend(fontsize=7)
     for ax in (ax1, ax2):
         ax.set_xlabel("RTT added by the relay (ms)")
         ax.grid(alpha=0.3)
         if len(m["rtts_ms"]) > 1:
-            ax.set_xscale("log")
+            if min(m["rtts_ms"]) > 0:
+                ax.set_xscale("log")
+            else:  # RTT 0 (--local-link) has no place on a log axis
+                ax.set_xscale("symlog", linthresh=10)
             ax.set_xticks(m["rtts_ms"])
             ax.set_xticklabels([f"{r:g}" for r in m["rtts_ms"]])
     ax1.set_ylabel("tokens/s")
@@ -405,6 +591,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-min", type=float, default=30.0,
                     help="stop starting new prompts after this many minutes (whole prompts only)")
     ap.add_argument("--quick", action="store_true", help="RTT 20 ms, 100 Mbit/s, 1 prompt, 16 tokens")
+    ap.add_argument("--local-link", action="store_true",
+                    help="verifier and relay on 127.0.0.1: no network namespaces, no tc rate (--mbits ignored)")
+    ap.add_argument("--verifier-args", default="",
+                    help='extra options of `edgespec verifier serve`, one string; write it with "=", as in '
+                         '--verifier-args="--backend torch --device cuda"')
+    ap.add_argument("--draft-threads", type=int, default=None,
+                    help="the edge's llama.cpp draft threads (default: EdgeSession's, every core but one up to 8)")
+    ap.add_argument("--warmup-tokens", type=int, default=0,
+                    help="untimed first: this many tokens per prompt, mode and (adaptive) ladder shape, "
+                         "so a GPU verifier captures its CUDA graphs before timing (0: off)")
     ap.add_argument("--plot", type=Path, default=REPO / "docs" / "bench" / "link_speedup.png")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--json", type=Path, help="also write the raw results here")

@@ -300,12 +300,49 @@ def _steps(engine: Engine, args, config: ModelConfig, batches, trees, attention:
             s.close()
 
 
-def bench_capacity(args, config: ModelConfig, dtype) -> list[dict]:
+class RecordedTrees:
+    """Trees a real drafter made (tools/bench_tau.py --record-trees: the 0.5B draft + lookup pool on
+    real prompts), replayed by one capacity client: at context length `at`, while the session's
+    committed tokens still follow the recorded target answer, send the tree recorded there cut to
+    its first `budget` nodes (parents precede children, so a prefix is a tree); otherwise (the GPU
+    target chose another token at a near-tie, or past the recording) send a root-only tree. At the
+    end of the recorded answer the session rewinds to its prompt (a sync to a prefix of what the
+    cache holds: no prefill). Acceptance is the GPU target's own: tokens/s here are real."""
+
+    def __init__(self, item: dict, budget: int) -> None:
+        self.prompt = list(item["prompt"])
+        self.full = self.prompt + list(item["answer"])
+        self.trees = {t["at"]: t for t in item["trees"]}
+        self.budget = budget
+        self.on_track = True
+        self.recorded_steps = self.steps = 0
+
+    def next_tree(self, committed: list[int]) -> TokenTree:
+        at = len(committed)
+        rec = self.trees.get(at) if self.on_track and self.budget > 1 else None
+        self.steps += 1
+        if rec is None:
+            return TokenTree(tokens=np.array([committed[-1]]), parents=np.array([-1]))
+        self.recorded_steps += 1
+        n = min(self.budget, len(rec["tokens"]))
+        return TokenTree(tokens=np.array(rec["tokens"][:n]), parents=np.array(rec["parents"][:n]))
+
+    def after(self, at: int, tokens: list[int]) -> bool:
+        """Track the answer; True when the session should rewind to its prompt."""
+        self.on_track = self.on_track and tokens == self.full[at:at + len(tokens)]
+        return at + len(tokens) >= len(self.full) - 1
+
+
+def bench_capacity(args, config: ModelConfig, dtype, model: TransformerLM | None = None,
+                   trace: list[dict] | None = None) -> list[dict]:
     """Server throughput: N concurrent sessions, each a thread that sends its next tree as soon as
     the last one is answered, through the service's batch worker (BatchWorker + verify_many, the
     code SessionRegistry runs for every Verify; gRPC is not in this loop). Trees of T nodes
-    (T = 1: cloud-only AR decoding, one token per request). Random weights accept ~nothing, so the
-    measured rates are requests/s; tokens/s of speculation = requests/s x tau (tokens per step)."""
+    (T = 1: cloud-only AR decoding, one token per request).
+
+    Random weights (default) accept ~nothing, so the measured rates are requests/s (tokens/s of
+    speculation = requests/s x tau). With `model` (real weights) and `trace` (RecordedTrees items),
+    each session replays a real prompt's recorded trees and tokens/s are measured directly."""
     import threading
 
     from edgespec.common.sampling import SamplingParams
@@ -313,8 +350,10 @@ def bench_capacity(args, config: ModelConfig, dtype) -> list[dict]:
     from edgespec.verifier.torch.batching import BatchWorker
 
     device = torch.device(args.device)
-    n_ctx = args.context + 4096  # room for the tokens a fast cell commits
-    model = TransformerLM.random(config, dtype=dtype, device=device, max_positions=n_ctx)
+    longest = max((len(it["prompt"]) + len(it["answer"]) for it in trace), default=0) if trace else 0
+    n_ctx = max(args.context + 4096, longest + 256)   # room for the tokens a fast cell commits
+    if model is None:
+        model = TransformerLM.random(config, dtype=dtype, device=device, max_positions=n_ctx)
     sizes = [int(n) for n in args.capacity_sessions.split(",")]
     trees = [int(t) for t in args.capacity_trees.split(",")]
     backend = TorchBackend.from_model(model, n_ctx=n_ctx, max_nodes=max(max(trees), 2), max_depth=32,
@@ -332,10 +371,14 @@ def bench_capacity(args, config: ModelConfig, dtype) -> list[dict]:
     rows = []
     for n in sizes:
         for T in trees:
-            sessions = []
-            for _ in range(n):
+            sessions, sources = [], []
+            for i in range(n):
                 s = backend.open_session()
-                s.sync(rng.integers(0, config.vocab_size, size=args.context).tolist())
+                if trace:
+                    sources.append(RecordedTrees(trace[i % len(trace)], T))
+                    s.sync(sources[-1].prompt)
+                else:
+                    s.sync(rng.integers(0, config.vocab_size, size=args.context).tolist())
                 sessions.append(s)
             stop = threading.Event()
             counts = [[0, 0, 0.0] for _ in range(n)]   # requests, tokens, latency sum
@@ -347,10 +390,13 @@ def bench_capacity(args, config: ModelConfig, dtype) -> list[dict]:
                 r = np.random.default_rng(i)
                 step = 0
                 while not stop.is_set():
-                    parents = np.array(random_parents(T, r))
-                    drafted = (int(r.integers(0, config.vocab_size)) + np.arange(T - 1)) % config.vocab_size  # distinct
-                    tokens = np.concatenate(([s.committed[-1]], drafted))
-                    tree = TokenTree(tokens=tokens, parents=parents)
+                    if trace:
+                        tree = sources[i].next_tree(s.committed)
+                    else:
+                        parents = np.array(random_parents(T, r))
+                        drafted = (int(r.integers(0, config.vocab_size)) + np.arange(T - 1)) % config.vocab_size
+                        tree = TokenTree(tokens=np.concatenate(([s.committed[-1]], drafted)), parents=parents)
+                    at = len(s.committed)
                     t0 = time.perf_counter()
                     job = worker.submit((s, tree, SamplingParams(), step))
                     if job.error is not None:
@@ -361,6 +407,9 @@ def bench_capacity(args, config: ModelConfig, dtype) -> list[dict]:
                         counts[i][0] += 1
                         counts[i][1] += len(job.result.tokens)
                         counts[i][2] += time.perf_counter() - t0
+                    if trace and sources[i].after(at, list(job.result.tokens)):
+                        s.sync(sources[i].prompt)   # rewind (the prompt's K/V stay cached)
+                        sources[i].on_track = True
 
             threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(n)]
             for t in threads:
@@ -384,11 +433,14 @@ def bench_capacity(args, config: ModelConfig, dtype) -> list[dict]:
             for t in threads:
                 t.join(timeout=30)
             req = sum(c[0] for c in counts)
-            row = {"sessions": n, "tree": T, "requests_per_s": req / elapsed,
-                   "tokens_per_s": sum(c[1] for c in counts) / elapsed,
+            row = {"sessions": n, "tree": T, "weights": "real" if trace else "random",
+                   "requests_per_s": req / elapsed, "tokens_per_s": sum(c[1] for c in counts) / elapsed,
+                   "tokens_per_request": sum(c[1] for c in counts) / max(1, req),
                    "mean_batch": (b1[1] - b0[1]) / max(1, b1[0] - b0[0]),
                    "mean_latency_ms": 1000 * sum(c[2] for c in counts) / max(1, req), "errors": errors[:3],
                    "captures_total": backend.engine.stats["captures"]}
+            if trace:
+                row["recorded_tree_share"] = sum(x.recorded_steps for x in sources) / max(1, sum(x.steps for x in sources))
             rows.append(row)
             log("[capacity]", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
             for s in sessions:
@@ -507,6 +559,9 @@ def main() -> int:
     p.add_argument("--capacity-s", type=float, default=4.0, help="measured seconds per capacity cell")
     p.add_argument("--capacity-warmup-s", type=float, default=4.0)
     p.add_argument("--out", default=None, help="write all results here (JSON)")
+    p.add_argument("--model", help="a GGUF target: capacity with real weights (needs --capacity-trace)")
+    p.add_argument("--capacity-trace", help="comma-separated JSON-lines files of recorded trees "
+                                            "(tools/bench_tau.py --record-trees) that capacity clients replay")
     p.add_argument("--profile-cells", default="",
                    help="BxT cells to profile kernel by kernel (e.g. 1x1,1x64,8x64); empty: no profile")
     args = p.parse_args()
@@ -560,6 +615,14 @@ def main() -> int:
             log("[hf] failed:", result["hf_error"])
     if "capacity" not in skip:
         result["capacity"] = bench_capacity(args, config, dtype)
+    if args.model and args.capacity_trace:
+        from edgespec.verifier.torch import gguf_weights
+
+        trace = [json.loads(line) for path in args.capacity_trace.split(",") for line in open(path)]
+        t0 = time.perf_counter()
+        real = gguf_weights.load_model(args.model, dtype=torch.bfloat16, device=args.device, max_positions=8192)
+        log(f"[capacity] real weights {args.model} loaded in {time.perf_counter() - t0:.1f} s; {len(trace)} recorded answers")
+        result["capacity_real"] = bench_capacity(args, real.config, torch.bfloat16, real, trace)
     result["meta"]["params"] = config.n_params
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1, default=str))
@@ -588,6 +651,13 @@ def summary(result: dict) -> str:
         need = f", tau needed for 2.5x AR tokens/s: {2.5 * ar['requests_per_s'] / r['requests_per_s']:.2f}" if ar and T > 1 else ""
         lines.append(f"capacity {n} sessions, T={T}: {r['requests_per_s']:.1f} requests/s, mean batch "
                      f"{r['mean_batch']:.1f}, latency {r['mean_latency_ms']:.2f} ms{need}")
+    real = {(r["sessions"], r["tree"]): r for r in result.get("capacity_real", [])}
+    for (n, T), r in sorted(real.items()):
+        ar = real.get((n, 1))
+        vs = f", {r['tokens_per_s'] / ar['tokens_per_s']:.2f}x the AR tokens/s" if ar and T > 1 else ""
+        lines.append(f"capacity, real weights + recorded trees, {n} sessions, budget {T}: {r['tokens_per_s']:.0f} "
+                     f"tokens/s ({r['tokens_per_request']:.2f} per request, {r['requests_per_s']:.0f} requests/s, "
+                     f"mean batch {r['mean_batch']:.1f}, recorded trees {r.get('recorded_tree_share', 0):.2f}){vs}")
     for r in result.get("attention", []):
         lines.append(f"attention B={r['batch']} L={r['context']}: triton {r.get('triton_ms', math.nan):.4f} "
                      f"({r.get('triton_config')}), torch paged {r.get('torch_paged_ms', math.nan):.4f}, "

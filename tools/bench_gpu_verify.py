@@ -148,6 +148,51 @@ def check_engine(attention: str) -> dict:
             "captures": engine.stats["captures"], "replays": engine.stats["replays"]}
 
 
+def check_compaction() -> dict:
+    """Compaction between CUDA-graph steps: two engines on the same tiny float32 model run the same
+    steps; one compacts the cache before every step (threshold 0, checked every call), after short
+    sequences were closed so the pool is fragmented. Block ids change under the captured graphs
+    (the tables are inputs of each replay), so the decisions and the logits must not."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = TransformerLM.random(ModelConfig.tiny("qwen2"), dtype=torch.float32, device="cuda", seed=5)
+    engines = [Engine(model, num_blocks=256, block_size=16, cuda_graphs=True, compact_threshold=t, compact_check_every=1)
+               for t in (0.0, 1.0)]
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 512, size=int(n)).tolist() for n in rng.integers(20, 90, size=6)]
+    seqs = []
+    for e in engines:
+        ss = []
+        for p in prompts:
+            ss.append(e.new_sequence())
+            e.prefill(ss[-1], p)
+        for s in ss[::2]:
+            s.close()   # holes in the pool
+        seqs.append(ss[1::2])
+    steps = checked = mismatches = moved = under_graphs = 0
+    max_diff = 0.0
+    for _ in range(24):
+        trees = [(rng.integers(0, 512, size=n).tolist(), random_parents(n, rng)) for n in rng.integers(1, 12, size=3)]
+        out = []
+        filler = rng.integers(0, 512, size=int(rng.integers(20, 60))).tolist()
+        for e, ss in zip(engines, seqs):
+            done = e.between_steps()
+            moved += done.moved if done else 0
+            under_graphs += bool(done) and e.stats["captures"] > 0
+            temp = e.new_sequence()      # blocks below this step's new ones, freed after it: a hole
+            e.prefill(temp, filler)
+            ds = e.verify([TreeStep(s, t, p) for s, (t, p) in zip(ss, trees)])
+            out.append(([(d.path, d.next_token) for d in ds], e.last_logits()[:len(ss)].clone()))
+            temp.close()
+        steps += 1
+        checked += len(trees)
+        mismatches += out[0][0] != out[1][0]
+        max_diff = max(max_diff, float((out[0][1] - out[1][1]).abs().max()))
+    return {"steps": steps, "trees": checked, "mismatched_steps": mismatches, "blocks_moved": moved,
+            "compactions": engines[0].stats["compactions"], "compactions_after_a_capture": under_graphs,
+            "captures": engines[0].stats["captures"],
+            "max_logit_diff": max_diff}
+
+
 # -- 3. attention kernels ---------------------------------------------------------------------
 def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict,
                     configs: str = "0x0w4s2,64x64w4s2,128x64w8s2,128x32w8s3,64x32w4s3") -> list[dict]:
@@ -598,6 +643,11 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001 - report, go on
                 result["engine_checks"].append({"attention": a, "error": f"{type(exc).__name__}: {exc}"[:600]})
         log("[check] engine with CUDA graphs vs accept_greedy on eager logits:", json.dumps(result["engine_checks"]))
+        try:
+            result["compaction_check"] = check_compaction()
+        except Exception as exc:  # noqa: BLE001 - report, go on
+            result["compaction_check"] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
+        log("[check] compaction between graph steps vs none:", json.dumps(result["compaction_check"]))
     if cuda and ceil and "attention" not in skip:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.attention_shapes.split(",")]
         result["attention"] = bench_attention(shapes, 64, args.warmup, args.iters, ceil, args.attention_configs)

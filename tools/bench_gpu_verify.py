@@ -289,12 +289,17 @@ def bench_steps(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dic
     attentions = args.attention.split(",")
     per_seq = -(-(args.context + max(trees)) // 16) + 2
     for variant in attentions:
+        name = variant
+        variant, _, tiles = variant.partition("#")    # triton#BMxBN: pinned attention tiles
         variant, _, policy = variant.partition("@")   # triton@P:K: TARGET_PROGRAMS P, MIN_SPLIT_KEYS K
         attention, _, unfused = variant.partition("-")
-        if policy:
+        if policy or tiles:
             from edgespec.verifier.torch.triton_attention import TritonPagedAttention
-            TritonPagedAttention.TARGET_PROGRAMS, TritonPagedAttention.MIN_SPLIT_KEYS = (int(v) for v in policy.split(":"))
-            variant += "@" + policy
+            if policy:
+                TritonPagedAttention.TARGET_PROGRAMS, TritonPagedAttention.MIN_SPLIT_KEYS = (int(v) for v in policy.split(":"))
+            if tiles:
+                TritonPagedAttention.BLOCK_M, TritonPagedAttention.BLOCK_N = (int(v) for v in tiles.split("x"))
+        variant = name
         engine = Engine(model, num_blocks=max(batches) * per_seq + 8, block_size=16, attention=attention,
                         cuda_graphs=device.type == "cuda" and not args.no_graph,
                         fused=False if unfused == "unfused" else None)
@@ -304,8 +309,9 @@ def bench_steps(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dic
             rows.append({"attention": variant, "error": f"{type(exc).__name__}: {exc}"[:600]})
             log("[step] failed:", rows[-1])
         torch.cuda.empty_cache() if device.type == "cuda" else None
-        if policy:
+        if policy or tiles:
             TritonPagedAttention.TARGET_PROGRAMS, TritonPagedAttention.MIN_SPLIT_KEYS = 264, 128
+            TritonPagedAttention.BLOCK_M, TritonPagedAttention.BLOCK_N = 0, 0
     model.fused_ops = False
     return rows
 
@@ -590,7 +596,8 @@ def main() -> int:
     p.add_argument("--trees", default="1,16,64,128")
     p.add_argument("--attention", default="triton,torch",
                    help="engine variants to time: triton, torch, and either with -unfused (no fused.py kernels); "
-                        "triton@P:K sets the key-split policy (about P programs, >= K keys per split)")
+                        "triton@P:K sets the key-split policy (about P programs, >= K keys per split), "
+                        "triton#MxN pins the attention tiles (both: triton@P:K#MxN)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--no-graph", action="store_true")

@@ -2,7 +2,7 @@
 and picks bigger trees when round trips are expensive, smaller ones when nodes are expensive."""
 import numpy as np
 
-from edgespec.edge.planner import Planner, StepObservation
+from edgespec.edge.planner import EXPLORE_SHARE, Planner, StepObservation
 
 
 def feed(planner, rtt_s, bandwidth_bps, verify_fixed_s, verify_per_node_s, accept_fn, steps=60, seed=0, queue_s=0.0):
@@ -49,7 +49,7 @@ def test_load_makes_nodes_dearer_and_prunes():
     scores = np.linspace(1, 0.01, 64)
     calm = p.prune_size(scores, decodes=8)
     feed(p, **args, steps=20, queue_s=0.2)   # same costs, but the verifier now reports long queues
-    assert p.load_factor > 2
+    assert p.load_factor > 1.5
     assert p.prune_size(scores, decodes=8) < calm
 
 
@@ -97,13 +97,57 @@ def test_exploration_is_rarer_when_the_neighbour_is_known_to_be_far_worse():
         feed(planner, **costs, steps=steps)
         return tried, planner
 
-    near, p = explorations(Planner(), 500, rtt_s=0.0, bandwidth_bps=12.5e6, verify_fixed_s=0.0,
-                           verify_per_node_s=0.06, accept_fn=lambda s: 0.5 * s)
+    near, p = explorations(Planner(), 500, rtt_s=0.0, bandwidth_bps=12.5e6, verify_fixed_s=0.03,
+                           verify_per_node_s=0.02, accept_fn=lambda s: 0.1 * s)
     assert p.choose().budget == 0 and p.realized[1][0] >= 3
-    assert 500 // 16 // 4 <= near <= 500 // 16 // 4 + 3   # 3 tries to learn, then every 4th slot
+    # 3 tries to learn, then only within EXPLORE_SHARE of the time (each try here ~0.1 s of ~25 s)
+    assert 3 < near < 500 // 16 and p.explore_seconds <= EXPLORE_SHARE * p.wall_seconds + 0.3
+    # every cost per node and no round trip: while the verifier's slope is known from a tried chain,
+    # even a chain accepted 90 % of the time cannot beat plain decoding and is not tried; it is tried
+    # again only once the tried sizes have left the fit's window (64 steps)
+    rare, p = explorations(Planner(), 500, rtt_s=0.0, bandwidth_bps=12.5e6, verify_fixed_s=0.0,
+                           verify_per_node_s=0.06, accept_fn=lambda s: 0.5 * s)
+    assert p.choose().budget == 0 and 1 <= rare <= 500 // 64 + 1
     far, p = explorations(Planner(), 500, rtt_s=0.2, bandwidth_bps=12.5e6, verify_fixed_s=0.01,
                           verify_per_node_s=0.0005, accept_fn=lambda s: s)
-    assert p.choose().budget >= 16 and far >= 500 // 16 - 2
+    assert p.choose().budget >= 16
+    assert p.explore_seconds <= EXPLORE_SHARE * p.wall_seconds + 1.0   # trying shapes is paid in time: capped
+
+
+def test_fast_verifier_and_slow_draft_stay_target_only_within_the_exploration_cap():
+    """A GPU verifier next door (4 ms per target-only step) and a draft model at 35 ms per decode
+    (measured so on the H200 host, docs/BENCHMARKS.md): every drafted tree costs far more than
+    the tokens it saves. The planner must stay target-only, and what it spends trying other shapes
+    must stay within EXPLORE_SHARE of the time: otherwise it falls below plain decoding."""
+    p = Planner()
+    rng = np.random.default_rng(2)
+    for _ in range(400):
+        shape = p.choose()
+        nodes = shape.budget
+        scores = np.sort(rng.uniform(0, 1, nodes))[::-1]
+        p.observe(StepObservation(nodes=nodes, draft_s=0.035 * (shape.max_depth if nodes else 0),
+                                  draft_decodes=shape.max_depth if nodes else 0, network_s=0.0015,
+                                  bytes_up=40 + 8 * nodes, verify_s=0.0022 + 0.00001 * nodes, queue_s=0.0,
+                                  scores=scores, accepted=rng.uniform(size=nodes) < 0.8 * scores,
+                                  shape=shape.label))
+    assert p.choose().budget == 0
+    assert p.explore_seconds <= EXPLORE_SHARE * p.wall_seconds
+
+
+def test_drafting_ahead_hides_the_draft_behind_the_round_trip():
+    """Trees that were drafted ahead and sent cost max(draft, round trip), not the sum: at 100 ms
+    RTT and 4 x 35 ms of drafting, chain(4) costs ~140 ms a step when every prepared tree is a hit,
+    245 ms when none is."""
+    p = Planner(network=Planner().network)
+    for _ in range(5):
+        p.network.add(48, 0.1)
+    p.verify.add(1, 0.002)
+    p.draft_per_decode_s = 0.035
+    p.prepared_share = 1.0
+    hidden = p.step_seconds(4, 4)
+    p.prepared_share = 0.0
+    exposed = p.step_seconds(4, 4)
+    assert abs(hidden - 0.14) < 0.01 and abs(exposed - 0.245) < 0.01, (hidden, exposed)
 
 
 def test_realized_tokens_go_to_the_rung_that_drafted_the_tree():

@@ -148,16 +148,18 @@ class Decoder:
         produced, step, prepared = 0, 0, None
         while produced < max_tokens:
             started = time.perf_counter()
-            if prepared is not None and prepared.context == committed:
+            hit = prepared is not None and prepared.context == committed
+            if hit:
                 draft = prepared.draft if prepared.draft.complete else self._finish(prepared, sampling, step)
                 self.stats.prepared_hits += 1
             else:
                 draft = self._draft(committed, sampling, step)
             sent = time.perf_counter()
-            # Pipelined: draft the next tree while this one is verified. Under the planner this holds
-            # for target-only steps too: the draft then just takes in the committed tokens, so its
-            # KV cache is current whenever speculating pays again (no catch-up prefill then).
-            if self.drafts_ahead and (len(draft.tree) > 1 or self.planner is not None):
+            # Pipelined: draft the next tree while this one is verified. Not around a target-only step:
+            # its answer may come back long before one draft decode ends (4 ms against 35 ms on a GPU
+            # verifier nearby), and the loop would wait for the draft. The draft model takes in the
+            # tokens committed meanwhile when it drafts again (TreeContext.sync), at its next tree's cost.
+            if self.drafts_ahead and len(draft.tree) > 1:
                 with self._on_verify_thread(self.verifier.verify, committed, draft.tree, sampling, step) as future:
                     prepared = self._draft_ahead(committed, draft, sampling, step + 1, future.done)
                 result = future.result()
@@ -173,7 +175,7 @@ class Decoder:
             end = next((i for i, t in enumerate(new) if self.is_end(t)), None)
             emitted = new if end is None else new[:end]
             produced += len(emitted)
-            self._record(draft, result, emitted, started, sent, answered)
+            self._record(draft, result, emitted, started, sent, answered, hit)
             step += 1
             if emitted:
                 yield emitted
@@ -233,7 +235,7 @@ class Decoder:
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _record(self, draft: Draft, result: VerifyResult, emitted: list[int], started: float, sent: float,
-                answered: float) -> None:
+                answered: float, prepared: bool) -> None:
         s = self.stats
         s.steps += 1
         s.shapes[draft.shape] = s.shapes.get(draft.shape, 0) + 1
@@ -250,7 +252,8 @@ class Decoder:
                 nodes=len(draft.tree) - 1, draft_s=draft.seconds, draft_decodes=draft.decodes,
                 network_s=result.network_s, bytes_up=result.bytes_up, verify_s=result.compute_s,
                 queue_s=result.queue_s, scores=draft.scores[1:], accepted=accepted,
-                depths=draft.tree.depths[1:], shape=draft.shape))
+                depths=draft.tree.depths[1:], shape=draft.shape, prepared=prepared and len(draft.tree) > 1,
+                wall_s=answered - started))
             s.extra["planner"] = self.planner.snapshot()
 
 

@@ -13,6 +13,14 @@ Inputs, all measured from the traffic itself and refreshed every step:
 
 Drafting uses the shape the planner picks; afterwards `prune` keeps the best-scoring prefix of
 nodes whose size maximises (1 + expected accepted) / predicted step time.
+
+The decoder drafts the next tree while this one is in flight (decoder.py). When that prepared tree
+is the one sent (its guess of the answer came true), the step costs the longer of drafting and the
+round trip, not their sum; the planner keeps the share of such hits and prices tree steps with it.
+Trying other shapes (exploration) is paid in real time: where target-only steps take 4 ms and a
+drafted chain 75 ms, exploring every 16th step alone would cost a third of the speed. So a shape is
+tried only if it could beat the current choice with an optimistic acceptance (0.9 on the best path),
+and, once tried three times, only within EXPLORE_SHARE of the wall time observed.
 """
 from __future__ import annotations
 
@@ -39,6 +47,8 @@ BYTES_PER_Q_ENTRY = 6      # token (int32) + weight (uint16), sampled trees (rej
 BYTES_PER_MESSAGE = 48     # framing, step, sampling parameters: paid by target-only steps too
 SCORE_BINS = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.01])
 MAX_TRACKED_DEPTH = 16     # depths beyond share the last depth's correction
+EXPLORE_SHARE = 0.03       # at most this share of the observed wall time goes to trying other shapes
+OPTIMISTIC_ACCEPTANCE = (0.9, 0.3)  # (best path, sibling): a shape that cannot pay even so is not tried
 DEPTH_PRIOR = 4.0          # pseudo-observations pulling a depth's correction towards 1
 
 
@@ -57,6 +67,8 @@ class StepObservation:
     accepted: np.ndarray       # bool per drafted node: on the accepted path
     depths: np.ndarray | None = None  # depth of each drafted node (1 = child of the root)
     shape: str = ""            # TreeShape.label it was drafted with; "" = the last choice
+    prepared: bool = False     # the tree was drafted ahead, while the previous step was in flight
+    wall_s: float = 0.0        # the step's wall time on the edge (0: draft + network + queue + verify)
 
 
 def tree_tokens(shape: TreeShape, a: float, a_sibling: float) -> float:
@@ -124,17 +136,22 @@ class Planner:
     # per depth: acceptances observed and predicted by the score bins (index 0 unused: the root)
     depth_hits: np.ndarray = field(default_factory=lambda: np.zeros(MAX_TRACKED_DEPTH + 1))
     depth_predicted: np.ndarray = field(default_factory=lambda: np.zeros(MAX_TRACKED_DEPTH + 1))
+    prepared_share: float = 0.5   # of tree steps, those that sent a tree drafted ahead (running mean)
+    wall_seconds: float = 0.0     # observed step wall time, all steps
+    explore_seconds: float = 0.0  # predicted wall time of the steps spent exploring
 
     # -- learning -----------------------------------------------------------------------------
     def observe(self, obs: StepObservation) -> None:
         self.steps += 1
+        self.wall_seconds += obs.wall_s or (obs.draft_s + obs.network_s + obs.queue_s + obs.verify_s)
         self.network.add(obs.bytes_up, obs.network_s)
         self.queue_s = 0.8 * self.queue_s + 0.2 * obs.queue_s
         if obs.nodes == 0:  # no draft (or pruned to the root): only link and verifier figures are news
             self.verify.add(1, obs.verify_s)
             return
         self.verify.add(obs.nodes + 1, obs.verify_s)
-        if obs.draft_decodes:
+        self.prepared_share = 0.9 * self.prepared_share + 0.1 * float(obs.prepared)
+        if obs.draft_decodes and not obs.prepared:   # a prepared tree's drafting was hidden, its draft_s is not its cost
             self.draft_per_decode_s = 0.8 * self.draft_per_decode_s + 0.2 * obs.draft_s / obs.draft_decodes
         # Credited to the rung the tree was drafted with: a pipelined decoder has already chosen (and
         # drafted) the next tree when this one is answered, so the last choice may be another rung.
@@ -181,12 +198,21 @@ class Planner:
         per_step = self.verify(17)
         return 1.0 + (self.queue_s / per_step if per_step > 0 else 0.0)
 
-    def step_seconds(self, nodes: int, decodes: int, q_entries: int = 0) -> float:
+    def step_seconds(self, nodes: int, decodes: int, q_entries: int = 0, draft_s: float | None = None,
+                     flat_verify: bool = False) -> float:
+        """Predicted wall time of a step sending `nodes` drafted nodes; drafting costs `decodes` of
+        this session's draft model, or `draft_s` when given (the router's per-expert cost).
+        flat_verify: price the tree's verification like a target-only step's (the optimistic case)."""
         up = BYTES_PER_MESSAGE + nodes * BYTES_PER_NODE + q_entries * BYTES_PER_Q_ENTRY
         # Queueing is the symptom of a shared, saturated verifier: rather than a fixed delay (which
         # would favour ever bigger trees), it scales what our nodes cost, so trees shrink under load.
-        verify = (self.verify.a + self.verify.b * (nodes + 1)) * self.load_factor
-        return max(decodes * self.draft_per_decode_s + self.network(up) + verify, 1e-9)  # never 0: rates divide by it
+        verify = (self.verify.a + self.verify.b * (1 if flat_verify else nodes + 1)) * self.load_factor
+        draft = decodes * self.draft_per_decode_s if draft_s is None else draft_s
+        answer = self.network(up) + verify
+        if nodes:   # drafted ahead and sent (share p): the drafting overlapped the previous round trip
+            p = self.prepared_share
+            return max(p * max(draft, answer) + (1 - p) * (draft + answer), 1e-9)
+        return max(answer, 1e-9)  # never 0: rates divide by it
 
     def expected_tokens(self, rung: int) -> float:
         """1 + expected accepted drafts for a ladder rung: the running mean of what it achieved
@@ -204,19 +230,31 @@ class Planner:
         neighbouring shape is tried instead, unpruned (`exploring`), so estimates stay fresh; each
         try costs real time, so a neighbour that was tried 3 times already and is still predicted
         at under half the best rate is tried only every 4th time."""
-        rates = [self.expected_tokens(i) / self.step_seconds(s.budget, s.max_depth if s.budget else 0)
-                 for i, s in enumerate(self.ladder)]
+        rates = [self.expected_tokens(i) / self._seconds(i) for i in range(len(self.ladder))]
         best = int(np.argmax(rates))
         self.exploring = False
         if self.steps > 0 and self.steps % self.explore_every == 0:
             e = self.explore_every
             up = best == 0 or (self.steps % (2 * e) and best + 1 < len(self.ladder))  # alternate; turn at the ends
             n = best + 1 if up else best - 1
-            known_bad = self.realized.get(n, (0, 0.0))[0] >= 3 and rates[n] < 0.5 * rates[best]
-            if not known_bad or self.steps % (4 * e) == 0:
+            tried = self.realized.get(n, (0, 0.0))[0]
+            known_bad = tried >= 3 and rates[n] < 0.5 * rates[best]
+            cost = self._seconds(n)
+            # optimistic: accepted as a good draft would be, and, until trees of several sizes have
+            # been verified (the verifier's slope is unknown), verified at a target-only step's cost
+            xs = [x for x, _ in self.verify.points]
+            flat = not xs or max(xs) == min(xs)
+            could_pay = tree_tokens(self.ladder[n], *OPTIMISTIC_ACCEPTANCE) / self._seconds(n, flat) > rates[best]
+            affordable = tried < 3 or self.explore_seconds + cost <= EXPLORE_SHARE * (self.wall_seconds + cost)
+            if could_pay and affordable and (not known_bad or self.steps % (4 * e) == 0):
                 best, self.exploring = n, True
+                self.explore_seconds += cost
         self.last_choice = best
         return self.ladder[best]
+
+    def _seconds(self, rung: int, flat_verify: bool = False) -> float:
+        shape = self.ladder[rung]
+        return self.step_seconds(shape.budget, shape.max_depth if shape.budget else 0, flat_verify=flat_verify)
 
     def prune_size(self, scores: np.ndarray, decodes: int, q_entries_per_node: float = 0.0,
                    depths: np.ndarray | None = None) -> int:
@@ -237,7 +275,8 @@ class Planner:
         return {"rtt_ms": 1000 * self.network.a, "uplink_mbit_s": bw,
                 "verify_ms_fixed": 1000 * self.verify.a, "verify_ms_per_node": 1000 * self.verify.b,
                 "verifier_queue_ms": 1000 * self.queue_s, "load_factor": self.load_factor,
-                "draft_ms_per_decode": 1000 * self.draft_per_decode_s,
+                "draft_ms_per_decode": 1000 * self.draft_per_decode_s, "prepared_share": self.prepared_share,
+                "explore_share": self.explore_seconds / self.wall_seconds if self.wall_seconds else 0.0,
                 "acceptance_by_score_bin": (self.hits / self.trials).round(3).tolist(),
                 "acceptance_by_depth": self._acceptance_by_depth(),
                 "shape": self.ladder[self.last_choice].__dict__, "steps": self.steps}

@@ -5,7 +5,7 @@ the verifier's cost per node, all fitted from the traffic. The router adds what 
 know: how well each expert drafts *this kind of request*, and what that expert's drafting costs.
 For every (expert, ladder shape) pair it predicts
 
-    tokens/s = tree_tokens(shape, a_e(x), a_sibling) / (planner.step_seconds(shape, 0) + draft_e(shape))
+    tokens/s = tree_tokens(shape, a_e(x), a_sibling) / planner.step_seconds(shape, draft_s=draft_e(shape))
 
 and takes the best; plain target decoding (no draft) is always on the ladder, so the router never
 chooses to be slower than AR as far as its model knows. `tree_tokens` is the planner's own token
@@ -239,7 +239,6 @@ class Router:
         arms (e.g. those that can draft under the sampled rejection rule)."""
         planner = self.planner
         a_sibling = float(planner.acceptance(np.array([0.1]))[0])
-        link = [planner.step_seconds(s.budget, 0) for s in planner.ladder]  # verifier + link, no draft
         rng = self.rng if explore else None
         best: Choice | None = None
         for name, arm_state in self.arms.items():
@@ -250,7 +249,7 @@ class Router:
                 if drafting_only and shape.budget == 0:
                     continue
                 tokens = tree_tokens(shape, a, a_sibling)
-                seconds = link[rung] + arm_state.draft_seconds(shape)
+                seconds = planner.step_seconds(shape.budget, 0, draft_s=arm_state.draft_seconds(shape))
                 if best is None or tokens / seconds > best.rate:
                     best = Choice(name if shape.budget else None, shape, rung, tokens, seconds, a, route)
         if best is None:  # no arms: target-only

@@ -164,3 +164,23 @@ def test_realized_tokens_go_to_the_rung_that_drafted_the_tree():
                                   accepted=np.arange(32) < 7, shape="tree32"))
     assert 0 not in p.realized and p.realized[tree32] == (4, 8.0)
     assert p.expected_tokens(0) == 1.0
+
+
+def test_each_shape_is_priced_with_its_own_drafting_cost():
+    """One 8-wide tree level cost 5x a chain's decode on the H200 host's CPU (195 vs 35 ms). After
+    one such tree, chains must still be priced at their own decode cost, and the wide tree at its
+    own: one shared per-decode figure kept the planner away from chain(4), 1.5x faster there."""
+    p = Planner()
+    rungs = {s.label: i for i, s in enumerate(p.ladder)}
+    for _ in range(5):
+        p.observe(StepObservation(nodes=0, draft_s=0.0, draft_decodes=0, network_s=0.05, bytes_up=48,
+                                  verify_s=0.002, queue_s=0.0, scores=np.zeros(0), accepted=np.zeros(0, bool)))
+    p.observe(StepObservation(nodes=64, draft_s=10 * 0.195, draft_decodes=10, network_s=0.05, bytes_up=560,
+                              verify_s=0.0025, queue_s=0.0, scores=np.full(64, 0.3), accepted=np.arange(64) < 2,
+                              shape="tree64"))
+    for _ in range(3):
+        p.observe(StepObservation(nodes=4, draft_s=4 * 0.035, draft_decodes=4, network_s=0.05, bytes_up=80,
+                                  verify_s=0.002, queue_s=0.0, scores=np.full(4, 0.9), accepted=np.ones(4, bool),
+                                  shape="chain4"))
+    assert p._seconds(rungs["tree64"]) > 1.0 > 0.3 > p._seconds(rungs["chain4"])
+    assert p.choose().label == "chain4"

@@ -181,7 +181,9 @@ def check_compaction() -> dict:
             temp = e.new_sequence()      # blocks below this step's new ones, freed after it: a hole
             e.prefill(temp, filler)
             ds = e.verify([TreeStep(s, t, p) for s, (t, p) in zip(ss, trees)])
-            out.append(([(d.path, d.next_token) for d in ds], e.last_logits()[:len(ss)].clone()))
+            logits = e.last_logits()   # real nodes only: padding rows read slots no tree owns
+            out.append(([(d.path, d.next_token) for d in ds],
+                        torch.cat([logits[b, :len(t)] for b, (t, _) in enumerate(trees)]).clone()))
             temp.close()
         steps += 1
         checked += len(trees)

@@ -136,6 +136,10 @@ class Planner:
     # per depth: acceptances observed and predicted by the score bins (index 0 unused: the root)
     depth_hits: np.ndarray = field(default_factory=lambda: np.zeros(MAX_TRACKED_DEPTH + 1))
     depth_predicted: np.ndarray = field(default_factory=lambda: np.zeros(MAX_TRACKED_DEPTH + 1))
+    # seconds per drafting decode by ladder rung (non-prepared tree steps): a decode of an 8-wide
+    # tree level cost 5x a chain's on the H200 host's CPU (195 vs 35 ms), so one figure for all
+    # shapes made wide trees look cheap after chains, or chains dear after one wide tree
+    decode_s_by_rung: dict[int, float] = field(default_factory=dict)
     prepared_share: float = 0.5   # of tree steps, those that sent a tree drafted ahead (running mean)
     wall_seconds: float = 0.0     # observed step wall time, all steps
     explore_seconds: float = 0.0  # predicted wall time of the steps spent exploring
@@ -151,11 +155,14 @@ class Planner:
             return
         self.verify.add(obs.nodes + 1, obs.verify_s)
         self.prepared_share = 0.9 * self.prepared_share + 0.1 * float(obs.prepared)
-        if obs.draft_decodes and not obs.prepared:   # a prepared tree's drafting was hidden, its draft_s is not its cost
-            self.draft_per_decode_s = 0.8 * self.draft_per_decode_s + 0.2 * obs.draft_s / obs.draft_decodes
         # Credited to the rung the tree was drafted with: a pipelined decoder has already chosen (and
         # drafted) the next tree when this one is answered, so the last choice may be another rung.
         rung = self._rung(obs.shape)
+        if obs.draft_decodes and not obs.prepared:   # a prepared tree's drafting was hidden, its draft_s is not its cost
+            per_decode = obs.draft_s / obs.draft_decodes
+            self.draft_per_decode_s = 0.8 * self.draft_per_decode_s + 0.2 * per_decode
+            old = self.decode_s_by_rung.get(rung)
+            self.decode_s_by_rung[rung] = per_decode if old is None else 0.7 * old + 0.3 * per_decode
         count, mean = self.realized.get(rung, (0, 0.0))
         tokens = 1.0 + float(obs.accepted.sum())
         self.realized[rung] = (count + 1, mean + (tokens - mean) / min(count + 1, 16))
@@ -253,8 +260,13 @@ class Planner:
         return self.ladder[best]
 
     def _seconds(self, rung: int, flat_verify: bool = False) -> float:
+        """A rung's predicted step time, with its own measured drafting cost once it has one."""
         shape = self.ladder[rung]
-        return self.step_seconds(shape.budget, shape.max_depth if shape.budget else 0, flat_verify=flat_verify)
+        if not shape.budget:
+            return self.step_seconds(0, 0, flat_verify=flat_verify)
+        per_decode = self.decode_s_by_rung.get(rung, self.draft_per_decode_s)
+        return self.step_seconds(shape.budget, shape.max_depth, draft_s=shape.max_depth * per_decode,
+                                 flat_verify=flat_verify)
 
     def prune_size(self, scores: np.ndarray, decodes: int, q_entries_per_node: float = 0.0,
                    depths: np.ndarray | None = None) -> int:
@@ -276,6 +288,8 @@ class Planner:
                 "verify_ms_fixed": 1000 * self.verify.a, "verify_ms_per_node": 1000 * self.verify.b,
                 "verifier_queue_ms": 1000 * self.queue_s, "load_factor": self.load_factor,
                 "draft_ms_per_decode": 1000 * self.draft_per_decode_s, "prepared_share": self.prepared_share,
+                "draft_ms_per_decode_by_shape": {self.ladder[r].label: round(1000 * v, 2)
+                                                 for r, v in sorted(self.decode_s_by_rung.items())},
                 "explore_share": self.explore_seconds / self.wall_seconds if self.wall_seconds else 0.0,
                 "acceptance_by_score_bin": (self.hits / self.trials).round(3).tolist(),
                 "acceptance_by_depth": self._acceptance_by_depth(),

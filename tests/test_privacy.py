@@ -121,6 +121,32 @@ def test_a_chat_history_is_analysed_once(presidio: Masker) -> None:
         engine.nlp = nlp
 
 
+def test_pass_through_context_enhancer_changes_nothing(presidio: Masker) -> None:
+    """The analyzer skips presidio's lemma context enhancer (it only deep-copied results: our one
+    recognizer has no context words); a stock engine over the same spaCy pipeline and recognizers
+    must give the same results."""
+    from presidio_analyzer import AnalyzerEngine
+
+    ours = presidio._ner.analyzer
+    assert not any(r.context for r in ours.registry.recognizers)
+    stock = AnalyzerEngine(registry=ours.registry, nlp_engine=ours.nlp_engine, supported_languages=["en"])
+    texts = ["Please write to John Smith in Berlin about the invoice; cc Maria Garcia (Paris office).",
+             "Dear Dr. Priya Patel, your appointment in London moved. Regards, Daniel Okafor"]
+    for text in texts:
+        got = [(r.entity_type, r.start, r.end, r.score) for r in ours.analyze(text, language="en")]
+        want = [(r.entity_type, r.start, r.end, r.score) for r in stock.analyze(text, language="en")]
+        assert got == want and got
+
+
+def test_spacy_wheel_without_gil_round_trips_in_the_ner_loop() -> None:
+    """spaCy wheels from 3.8.7 on take and drop the GIL inside the NER's per-token loop (66 times per
+    token in 3.8.7, ~450 from 3.8.8: 200-word prompt ~27 ms instead of ~16, docs/BENCHMARKS.md); the
+    pins in pyproject.toml keep a wheel without it. Same .pyx sources, same detections."""
+    spacy = pytest.importorskip("spacy")
+    version = tuple(int(x) for x in spacy.__version__.split(".")[:3])
+    assert (3, 8, 2) <= version < (3, 8, 7), f"spaCy {spacy.__version__}: see pyproject.toml, extra `privacy`"
+
+
 def test_configurable_entities() -> None:
     masker = Masker("patterns", entities=["EMAIL_ADDRESS"])
     assert masker.mask("a@b.io 13812345678") == "[EMAIL_1] 13812345678"

@@ -10,13 +10,24 @@ Nothing is downloaded at run time: the spaCy model is a pip package installed by
 would call `spacy.cli.download`). The e-mail recognizer's tldextract is told not to fetch the
 public suffix list.
 
-Speed (one 200-word prompt, CPU time on one core: 45 ms before, 23 ms after, docs/BENCHMARKS.md):
+Speed (one 200-word prompt, CPU time on one core, docs/BENCHMARKS.md: 45 -> 23 ms with the numpy
+ops below, then 27 -> 16 ms back to back with the spaCy pin):
+- spaCy is pinned below 3.8.7 (pyproject.toml, constraints/ci.txt). The wheels of 3.8.8 and later
+  (built with Cython 3.2/3.3) take and drop the GIL twice inside every `StateC` accessor that the
+  NER's transition loop calls, and that loop runs with the GIL released: ~450 GIL round trips per
+  token, ~35 of the ~45 us the loop spent per token. 3.8.7 (Cython 3.1) still makes ~66 per token
+  (an exception check after each inline `Vec.arg_max`/`VecVec.add_i` of thinc), 3.8.6 ~7 (one per
+  transition step). The `.pyx` sources are identical; the detections are the same (labelled set).
+- presidio's context enhancer is replaced by a pass-through: the only recognizer here has no
+  context words, so presidio's lemma enhancer changed nothing but deep-copied every result.
 - Only the `ner` pipe runs. In the small English model it carries its own embedding; the shared
   `tok2vec` feeds only the tagger and parser, which, like the lemmatizer, serve presidio's context
   enhancement, not used here.
 - The model's layers are built on thinc's numpy ops without BLIS. The BLIS wheel falls back to its
-  generic reference kernels on CPUs it does not recognise (seen on this project's AMD EPYC VMs:
-  3-4x slower than numpy's OpenBLAS on the same matrices).
+  generic reference kernels on CPUs it does not recognise (this project's AMD EPYC VMs report
+  family 25, Zen 3; the wheel's newest AMD config is zen2): 3-4x slower than numpy's OpenBLAS on
+  the same matrices. The transition loop's own 1x64 by 64x74 product still goes through BLIS
+  (thinc's `CBlas`, which only Cython code can repoint): ~7 us per token here.
 """
 from __future__ import annotations
 
@@ -73,6 +84,24 @@ def _clean_person(text: str, span: Span) -> Span | None:
     return Span(start, end, span.entity, span.score, span.source)
 
 
+def _no_context_enhancer():
+    from presidio_analyzer.context_aware_enhancers import ContextAwareEnhancer
+
+    class NoContextEnhancer(ContextAwareEnhancer):
+        """Returns the results as they are. presidio's default (LemmaContextAwareEnhancer) boosts
+        only results of recognizers with context words; ours has none, so it changed nothing but
+        deep-copied every result (~1 ms per 200-word prompt)."""
+
+        def __init__(self) -> None:
+            super().__init__(context_similarity_factor=0.0, min_score_with_context_similarity=0.0,
+                             context_prefix_count=0, context_suffix_count=0)
+
+        def enhance_using_context(self, text, raw_results, nlp_artifacts, recognizers, context=None):
+            return raw_results
+
+    return NoContextEnhancer()
+
+
 class PresidioNer:
     """PERSON/LOCATION spans from presidio's SpacyRecognizer over the small spaCy model."""
 
@@ -105,10 +134,13 @@ class PresidioNer:
         engine.load()
         registry = RecognizerRegistry(supported_languages=["en"])
         registry.add_recognizer(SpacyRecognizer(supported_language="en", supported_entities=list(NER_ENTITIES)))
-        self.analyzer = AnalyzerEngine(registry=registry, nlp_engine=engine, supported_languages=["en"])
+        # presidio's default enhancer only if a recognizer has context words (none does now)
+        enhancer = None if any(r.context for r in registry.recognizers) else _no_context_enhancer()
+        self.analyzer = AnalyzerEngine(registry=registry, nlp_engine=engine, supported_languages=["en"],
+                                       context_aware_enhancer=enhancer)
         self._lock = threading.Lock()   # one spaCy pipeline; analyze() calls are serialised
         # A chat re-sends its whole history every turn: each message is analysed once (the spaCy
-        # call is ~55 ms per 200 words on one core), later turns pay only for the new text.
+        # call is ~10 ms per 200 words on one core), later turns pay only for the new text.
         self._seen: OrderedDict[tuple[str, tuple[str, ...]], list] = OrderedDict()
 
     CACHED_TEXTS = 256

@@ -48,7 +48,7 @@ def test_load_makes_nodes_dearer_and_prunes():
     p = feed(Planner(), **args)
     scores = np.linspace(1, 0.01, 64)
     calm = p.prune_size(scores, decodes=8)
-    feed(p, **args, steps=20, queue_s=0.2)   # same costs, but the verifier now reports long queues
+    feed(p, **args, steps=20, queue_s=1.0)   # same costs, but the verifier now reports long queues
     assert p.load_factor > 1.5
     assert p.prune_size(scores, decodes=8) < calm
 

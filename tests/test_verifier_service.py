@@ -466,6 +466,31 @@ def test_deadline_exceeded_while_queued(server, fingerprint, prompts):
     assert_healthy_and_serving(server, fingerprint, prompts[0])
 
 
+def test_sync_deadline_exceeded_while_queued(server, fingerprint, prompts):
+    """A Sync carries a deadline too (the edge sends what is left of its own): queued behind
+    another session's long prefill past it, it is answered DEADLINE_EXCEEDED before any prefill,
+    and the server goes on serving."""
+    ch, waiting, _ = open_raw(server, fingerprint)
+    ch2, busy, _ = open_raw(server, fingerprint)
+    try:
+        wait_for_streams(server, 2)
+        waiting.ask(wire.sync_message(prompts[0]))
+        rng = random.Random(1)
+        long_context = [rng.randrange(100, 40000) for _ in range(300)]  # ~2 s of prefill on one thread
+        t = threading.Thread(target=busy.ask, args=(wire.sync_message(long_context),))
+        t.start()
+        assert wait_for(lambda: server.info().live_sessions == 2, 15), server.info()
+        reply = waiting.ask(wire.sync_message(prompts[1], deadline_ms=50))
+        err = expect_error(reply, C.DEADLINE_EXCEEDED, "deadline of 50 ms")
+        assert error_class(err) == "DeadlineExceededError"
+        t.join()
+    finally:
+        for s, c in ((waiting, ch), (busy, ch2)):
+            s.close()
+            c.close()
+    assert_healthy_and_serving(server, fingerprint, prompts[0])
+
+
 # -- bad input --------------------------------------------------------------------------------
 def chain_msg(root: int, drafts: list[int], step: int = 0, **kw) -> pb.EdgeMessage:
     return wire.verify_message(TokenTree.chain(root, drafts), GREEDY, step, **kw)

@@ -260,8 +260,8 @@ def open_message(model_id: str, tokenizer_hash: str, client_name: str = "edgespe
                                        tokenizer_hash=tokenizer_hash, client_name=client_name))
 
 
-def sync_message(tokens: Sequence[int]) -> pb.EdgeMessage:
-    return pb.EdgeMessage(sync=pb.Sync(tokens=tokens_to_bytes(tokens)))
+def sync_message(tokens: Sequence[int], deadline_ms: int = 0) -> pb.EdgeMessage:
+    return pb.EdgeMessage(sync=pb.Sync(tokens=tokens_to_bytes(tokens), deadline_ms=max(0, int(deadline_ms))))
 
 
 def verify_message(tree: TokenTree, sampling: SamplingParams, step: int, deadline_ms: int = 0,

@@ -323,7 +323,10 @@ class Link:
                 if self._stream is None:
                     self._open(deadline)
                 if context is not None and not self._holds(context):
-                    self._roundtrip(wire.sync_message(context), deadline, "synced")
+                    # the server gives up on a Sync still queued when our deadline passes (its
+                    # prefill would be wasted: we are gone by then)
+                    request = wire.sync_message(context, deadline_ms=max(1, int(deadline.remaining() * 1000)))
+                    self._roundtrip(request, deadline, "synced")
                     self._held, self.server_len = context, len(context)
                     self.stats.syncs += 1
             except BaseException as exc:

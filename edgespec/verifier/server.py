@@ -150,7 +150,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         bad = next((t for t in tokens if not 0 <= t < self.info.vocab_size), None)
         if bad is not None:   # checked here: a backend that already holds tokens[:-1] would skip its own check
             raise InvalidTreeError(f"context token id {bad} outside the vocabulary [0, {self.info.vocab_size})")
-        waited, computed = self.registry.sync(session, tokens, received)
+        waited, computed = self.registry.sync(session, tokens, received, msg.deadline_ms)
         if self.metrics is not None:
             self.metrics.observe("sync", waited, computed)
         return pb.VerifierMessage(synced=pb.Synced(n_tokens=len(tokens), queue_ms=_ms(waited), compute_ms=_ms(computed)))

@@ -282,11 +282,13 @@ class SessionRegistry:
             with self._lock:
                 session.in_flight -= 1
 
-    def sync(self, session: ServerSession, tokens: list[int], received: float) -> tuple[float, float]:
+    def sync(self, session: ServerSession, tokens: list[int], received: float,
+             deadline_ms: int = 0) -> tuple[float, float]:
         """Make `tokens` the session's committed context (a slot first: ensure_slot), prefilling chunk
         by chunk with turns for queued requests in between. Returns (queue, compute) seconds: the
-        waits for the compute worker, before and between chunks, and the rest."""
-        with self.compute(session, received) as waited:
+        waits for the compute worker, before and between chunks, and the rest. With deadline_ms,
+        DeadlineExceededError if the wait before the first chunk is longer (nothing changed then)."""
+        with self.compute(session, received, deadline_ms) as waited:
             kv = self.ensure_slot(session, tokens)
             started = time.monotonic()
             turns = 0.0

@@ -184,3 +184,22 @@ def test_each_shape_is_priced_with_its_own_drafting_cost():
                                   shape="chain4"))
     assert p._seconds(rungs["tree64"]) > 1.0 > 0.3 > p._seconds(rungs["chain4"])
     assert p.choose().label == "chain4"
+
+
+def test_line_fit_is_least_squares_over_its_window():
+    """The fits run on every step in O(1) sums (no numpy): they must equal np.polyfit over the
+    window whenever x spreads enough to tell slope from intercept."""
+    from edgespec.edge.planner import _LineFit
+
+    rng = np.random.default_rng(0)
+    for fixed_first in (False, True):
+        fit, checked = _LineFit(window=8, fixed_first=fixed_first), 0
+        for _ in range(300):
+            fit.add(float(rng.integers(1, 40)), float(rng.uniform(0, 1)))
+            xs, ys = np.array(fit.points).T
+            if len(xs) >= 3 and np.ptp(xs) > 0.25 * xs.mean():
+                b, a = np.polyfit(xs, ys, 1)
+                assert abs(max(b, 0.0) - fit.b) < 1e-9
+                assert abs(max(ys.mean() - max(b, 0.0) * xs.mean(), 0.0) - fit.a) < 1e-9
+                checked += 1
+        assert checked > 250

@@ -263,9 +263,10 @@ class Planner:
     # -- decisions ----------------------------------------------------------------------------
     def choose(self) -> TreeShape:
         """The ladder shape with the best predicted tokens/second. Every explore_every steps a
-        neighbouring shape is tried instead, unpruned (`exploring`), so estimates stay fresh; each
-        try costs real time, so a neighbour that was tried 3 times already and is still predicted
-        at under half the best rate is tried only every 4th time."""
+        neighbouring shape is tried instead, unpruned (`exploring`), so estimates stay fresh. Each
+        try costs real time, so a neighbour is tried only if it could beat the best with optimistic
+        acceptance; after 3 tries, only while exploring stays within EXPLORE_SHARE of the wall time,
+        and, if still predicted at under half the best rate, only every 4th time."""
         typical = self._typical_acceptance()
         rates = [self.expected_tokens(i, typical) / self._seconds(i) for i in range(len(self.ladder))]
         best = int(np.argmax(rates))

@@ -68,7 +68,7 @@ class StepObservation:
     depths: np.ndarray | None = None  # depth of each drafted node (1 = child of the root)
     shape: str = ""            # TreeShape.label it was drafted with; "" = the last choice
     prepared: bool = False     # the tree was drafted ahead, while the previous step was in flight
-    wall_s: float = 0.0        # the step's wall time on the edge (0: draft + network + queue + verify)
+    wall_s: float = 0.0        # the step's wall time on the edge (at least draft + network + queue + verify)
 
 
 def tree_tokens(shape: TreeShape, a: float, a_sibling: float) -> float:
@@ -170,7 +170,9 @@ class Planner:
     # -- learning -----------------------------------------------------------------------------
     def observe(self, obs: StepObservation) -> None:
         self.steps += 1
-        self.wall_seconds += obs.wall_s or (obs.draft_s + obs.network_s + obs.queue_s + obs.verify_s)
+        # never less than its parts: a verifier that reports its times (a test double, a clock step)
+        # must not make exploring look free or unaffordable
+        self.wall_seconds += max(obs.wall_s, obs.draft_s + obs.network_s + obs.queue_s + obs.verify_s)
         self.network.add(obs.bytes_up, obs.network_s)
         self.queue_s = 0.8 * self.queue_s + 0.2 * obs.queue_s
         if obs.nodes == 0:  # no draft (or pruned to the root): only link and verifier figures are news

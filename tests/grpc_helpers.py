@@ -47,7 +47,10 @@ class ServerProcess:
         self.token = token
         self.cmd = [sys.executable, "-m", "edgespec", "verifier", "serve", "--model", str(model),
                     "--host", "127.0.0.1", "--port", "0", "--exit-with-parent", *args]
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        # errors="replace": a log line may carry bytes that are not UTF-8 (a token's piece of a multi-byte
+        # character); the reader thread must not die on it
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     errors="replace", env=env)
         self.stderr: list[str] = []
         threading.Thread(target=self._drain_stderr, daemon=True).start()
         lines: queue.Queue = queue.Queue()

@@ -7,6 +7,7 @@ standard health service, reflection and the embedded (child-process) verifier.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -442,27 +443,35 @@ def test_a_second_session_reuses_the_first_ones_prefill(server, smol_path, smol_
     assert_same_output(smol_model, prompts[0], out, reference[0], "after a prefix hit")
 
 
-def test_deadline_exceeded_while_queued(server, fingerprint, prompts):
+@contextlib.contextmanager
+def queued_behind_a_long_prefill(server, fingerprint, prompts, seed: int):  # noqa: ANN001
+    """A stream that has synced prompts[0], while a second session's ~2 s prefill holds the compute
+    worker: what the first stream sends now waits in the queue. Yields that first stream."""
     ch, waiting, _ = open_raw(server, fingerprint)
     ch2, busy, _ = open_raw(server, fingerprint)
     try:
         wait_for_streams(server, 2)  # only ours are open: live sessions are ours (ended ones are retained)
         waiting.ask(wire.sync_message(prompts[0]))
         assert server.info().live_sessions == 1
-        rng = random.Random(0)
+        rng = random.Random(seed)
         long_context = [rng.randrange(100, 40000) for _ in range(300)]  # ~2 s of prefill on one thread
         t = threading.Thread(target=busy.ask, args=(wire.sync_message(long_context),))
         t.start()
         # busy's Sync holds the compute worker once it has its KV slot (it prefills right after)
         assert wait_for(lambda: server.info().live_sessions == 2, 15), server.info()
-        reply = waiting.ask(wire.verify_message(TokenTree.chain(prompts[0][-1], []), GREEDY, 0, deadline_ms=50))
-        err = expect_error(reply, C.DEADLINE_EXCEEDED, "deadline of 50 ms")
-        assert error_class(err) == "DeadlineExceededError"
+        yield waiting
         t.join()
     finally:
         for s, c in ((waiting, ch), (busy, ch2)):
             s.close()
             c.close()
+
+
+def test_deadline_exceeded_while_queued(server, fingerprint, prompts):
+    with queued_behind_a_long_prefill(server, fingerprint, prompts, seed=0) as waiting:
+        reply = waiting.ask(wire.verify_message(TokenTree.chain(prompts[0][-1], []), GREEDY, 0, deadline_ms=50))
+        err = expect_error(reply, C.DEADLINE_EXCEEDED, "deadline of 50 ms")
+        assert error_class(err) == "DeadlineExceededError"
     assert_healthy_and_serving(server, fingerprint, prompts[0])
 
 
@@ -470,24 +479,10 @@ def test_sync_deadline_exceeded_while_queued(server, fingerprint, prompts):
     """A Sync carries a deadline too (the edge sends what is left of its own): queued behind
     another session's long prefill past it, it is answered DEADLINE_EXCEEDED before any prefill,
     and the server goes on serving."""
-    ch, waiting, _ = open_raw(server, fingerprint)
-    ch2, busy, _ = open_raw(server, fingerprint)
-    try:
-        wait_for_streams(server, 2)
-        waiting.ask(wire.sync_message(prompts[0]))
-        rng = random.Random(1)
-        long_context = [rng.randrange(100, 40000) for _ in range(300)]  # ~2 s of prefill on one thread
-        t = threading.Thread(target=busy.ask, args=(wire.sync_message(long_context),))
-        t.start()
-        assert wait_for(lambda: server.info().live_sessions == 2, 15), server.info()
+    with queued_behind_a_long_prefill(server, fingerprint, prompts, seed=1) as waiting:
         reply = waiting.ask(wire.sync_message(prompts[1], deadline_ms=50))
         err = expect_error(reply, C.DEADLINE_EXCEEDED, "deadline of 50 ms")
         assert error_class(err) == "DeadlineExceededError"
-        t.join()
-    finally:
-        for s, c in ((waiting, ch), (busy, ch2)):
-            s.close()
-            c.close()
     assert_healthy_and_serving(server, fingerprint, prompts[0])
 
 

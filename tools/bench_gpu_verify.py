@@ -25,6 +25,7 @@ Medians over --iters after --warmup. Weights are random: timings only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -32,6 +33,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -40,13 +42,38 @@ import torch  # noqa: E402
 
 from edgespec.common.acceptance import accept_greedy  # noqa: E402
 from edgespec.common.tree import TokenTree  # noqa: E402
-from edgespec.verifier.torch.engine import Engine, TreeStep  # noqa: E402
+from edgespec.verifier.torch.engine import Engine, TreeStep, bucket  # noqa: E402
 from edgespec.verifier.torch.model import ModelConfig, TransformerLM  # noqa: E402
 from edgespec.verifier.torch.tree_attention import TorchPagedAttention, ancestor_mask  # noqa: E402
 
 
 def log(*args) -> None:
     print(*args, flush=True)
+
+
+@contextlib.contextmanager
+def attention_knobs(**values: int) -> Iterator[None]:
+    """TritonPagedAttention's class knobs (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, TARGET_PROGRAMS,
+    MIN_SPLIT_KEYS) set for the body, then put back as they were."""
+    if not values:
+        yield
+        return
+    from edgespec.verifier.torch.triton_attention import TritonPagedAttention
+
+    before = {k: getattr(TritonPagedAttention, k) for k in values}
+    for k, v in values.items():
+        setattr(TritonPagedAttention, k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            setattr(TritonPagedAttention, k, v)
+
+
+def replayed_graph(engine: Engine, B: int, T: int):  # noqa: ANN201 - a torch.cuda.CUDAGraph
+    """The CUDA graph the engine captured for B sequences x T tree nodes (the first of its modes)."""
+    st = next(v for k, v in engine._static.items() if k[:2] == (bucket(B), bucket(T)))
+    return next(iter(st.graph.values()))[0]
 
 
 def random_parents(n: int, rng: np.random.Generator) -> list[int]:
@@ -223,19 +250,16 @@ def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict,
             tile, _, rest = cfg.partition("w")
             bm, bn = (int(v) for v in tile.split("x"))
             warps, stages = (int(v) for v in rest.split("s"))
-            TritonPagedAttention.BLOCK_M, TritonPagedAttention.BLOCK_N = bm, bn
-            TritonPagedAttention.NUM_WARPS, TritonPagedAttention.NUM_STAGES = warps, stages
             try:
-                att = TritonPagedAttention(tables, ctx, anc, bs, Hq // Hkv)
-                ms = cuda_ms(lambda: att(q, cache), warmup, iters)
+                with attention_knobs(BLOCK_M=bm, BLOCK_N=bn, NUM_WARPS=warps, NUM_STAGES=stages):
+                    att = TritonPagedAttention(tables, ctx, anc, bs, Hq // Hkv)
+                    ms = cuda_ms(lambda: att(q, cache), warmup, iters)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile: report, go on
                 row[f"triton_{bm}x{bn}w{warps}s{stages}"] = f"error: {type(exc).__name__}: {str(exc)[:120]}"
                 continue
             row[f"triton_{bm}x{bn}w{warps}s{stages}_ms"] = ms
             if best is None or ms < best[0]:
                 best = (ms, (bm, bn, warps, stages))
-        TritonPagedAttention.BLOCK_M, TritonPagedAttention.BLOCK_N = 0, 0   # back to the adaptive default
-        TritonPagedAttention.NUM_WARPS, TritonPagedAttention.NUM_STAGES = 4, 2
         if best:
             row["triton_ms"], row["triton_config"] = best
         ref = TorchPagedAttention(tables, ctx, anc, bs, Hq // Hkv)
@@ -295,25 +319,21 @@ def bench_steps(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dic
         variant, _, tiles = variant.partition("#")    # triton#BMxBN: pinned attention tiles
         variant, _, policy = variant.partition("@")   # triton@P:K: TARGET_PROGRAMS P, MIN_SPLIT_KEYS K
         attention, _, unfused = variant.partition("-")
-        if policy or tiles:
-            from edgespec.verifier.torch.triton_attention import TritonPagedAttention
-            if policy:
-                TritonPagedAttention.TARGET_PROGRAMS, TritonPagedAttention.MIN_SPLIT_KEYS = (int(v) for v in policy.split(":"))
-            if tiles:
-                TritonPagedAttention.BLOCK_M, TritonPagedAttention.BLOCK_N = (int(v) for v in tiles.split("x"))
-        variant = name
+        knobs = {}
+        if policy:
+            knobs["TARGET_PROGRAMS"], knobs["MIN_SPLIT_KEYS"] = (int(v) for v in policy.split(":"))
+        if tiles:
+            knobs["BLOCK_M"], knobs["BLOCK_N"] = (int(v) for v in tiles.split("x"))
         engine = Engine(model, num_blocks=max(batches) * per_seq + 8, block_size=16, attention=attention,
                         cuda_graphs=device.type == "cuda" and not args.no_graph,
                         fused=False if unfused == "unfused" else None)
         try:
-            _steps(engine, args, config, batches, trees, variant, ceil, rows)
+            with attention_knobs(**knobs):
+                _steps(engine, args, config, batches, trees, name, ceil, rows)
         except Exception as exc:  # noqa: BLE001 - report, go on with the next variant
-            rows.append({"attention": variant, "error": f"{type(exc).__name__}: {exc}"[:600]})
+            rows.append({"attention": name, "error": f"{type(exc).__name__}: {exc}"[:600]})
             log("[step] failed:", rows[-1])
         torch.cuda.empty_cache() if device.type == "cuda" else None
-        if policy or tiles:
-            TritonPagedAttention.TARGET_PROGRAMS, TritonPagedAttention.MIN_SPLIT_KEYS = 264, 128
-            TritonPagedAttention.BLOCK_M, TritonPagedAttention.BLOCK_N = 0, 0
     model.fused_ops = False
     return rows
 
@@ -340,9 +360,7 @@ def _steps(engine: Engine, args, config: ModelConfig, batches, trees, attention:
             row["first_step_s"] = round(time.perf_counter() - t0, 2)   # includes the graph capture
             row["step_ms"] = wall_ms(step, args.warmup, args.iters)
             if engine.cuda_graphs:
-                st = next(v for k, v in engine._static.items() if k[:2] == (_bucket(B), _bucket(T)))
-                graph = next(iter(st.graph.values()))[0]
-                row["replay_ms"] = cuda_ms(graph.replay, args.warmup, args.iters)
+                row["replay_ms"] = cuda_ms(replayed_graph(engine, B, T).replay, args.warmup, args.iters)
             if ceil:
                 w = config.n_params * 2
                 row["floor_ms"] = 1000 * max(w / ceil["copy_bytes_per_s"],
@@ -381,9 +399,11 @@ class RecordedTrees:
         return TokenTree(tokens=np.array(rec["tokens"][:n]), parents=np.array(rec["parents"][:n]))
 
     def after(self, at: int, tokens: list[int]) -> bool:
-        """Track the answer; True when the session should rewind to its prompt."""
+        """Track the answer; True when the session should rewind to its prompt (on track again then)."""
         self.on_track = self.on_track and tokens == self.full[at:at + len(tokens)]
-        return at + len(tokens) >= len(self.full) - 1
+        rewind = at + len(tokens) >= len(self.full) - 1
+        self.on_track = self.on_track or rewind
+        return rewind
 
 
 def bench_capacity(args, config: ModelConfig, dtype, model: TransformerLM | None = None,
@@ -462,7 +482,6 @@ def bench_capacity(args, config: ModelConfig, dtype, model: TransformerLM | None
                         counts[i][2] += time.perf_counter() - t0
                     if trace and sources[i].after(at, list(job.result.tokens)):
                         s.sync(sources[i].prompt)   # rewind (the prompt's K/V stay cached)
-                        sources[i].on_track = True
 
             threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(n)]
             for t in threads:
@@ -524,8 +543,7 @@ def profile_steps(args, config: ModelConfig, dtype) -> list[dict]:
                 s.truncate(args.context)
 
         step()
-        st = next(v for k, v in engine._static.items() if k[:2] == (_bucket(B), _bucket(T)))
-        graph = next(iter(st.graph.values()))[0]
+        graph = replayed_graph(engine, B, T)
         replay = cuda_ms(graph.replay, 10, 50)
         n = 20
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -550,10 +568,6 @@ def profile_steps(args, config: ModelConfig, dtype) -> list[dict]:
         for s in seqs:
             s.close()
     return rows
-
-
-def _bucket(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def bench_hf(args, config: ModelConfig) -> list[dict]:

@@ -124,7 +124,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--record-trees", type=Path,
                     help="append each prompt's recorded answer and every tree the pool drafted for it here (JSON "
-                         "lines: set, item, prompt, answer, trees), e.g. for bench_gpu_verify.py --capacity-trees-from")
+                         "lines: set, item, prompt, answer, trees), e.g. for bench_gpu_verify.py --capacity-trace")
     ap.add_argument("--resume", action="store_true",
                     help="keep the rows already in --json and measure only the prompts after them (same seed)")
     ap.add_argument("--report", type=Path, help="only print the table of a saved --json")

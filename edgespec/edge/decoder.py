@@ -252,8 +252,7 @@ class Decoder:
                 nodes=len(draft.tree) - 1, draft_s=draft.seconds, draft_decodes=draft.decodes,
                 network_s=result.network_s, bytes_up=result.bytes_up, verify_s=result.compute_s,
                 queue_s=result.queue_s, scores=draft.scores[1:], accepted=accepted,
-                depths=draft.tree.depths[1:], shape=draft.shape, prepared=prepared and len(draft.tree) > 1,
-                wall_s=answered - started))
+                depths=draft.tree.depths[1:], shape=draft.shape, prepared=prepared, wall_s=answered - started))
             s.extra["planner"] = self.planner.snapshot()
 
 

@@ -113,8 +113,7 @@ class _LineFit:
         n = len(self.points)
         sx, sy, sxx, sxy = self._sums
         mx, my = sx / n, sy / n
-        xs = [px for px, _ in self.points]
-        if n >= 3 and max(xs) - min(xs) > 0.25 * mx:
+        if n >= 3 and self.x_spread() > 0.25 * mx:
             var = sxx / n - mx * mx
             b = (sxy / n - mx * my) / var if var > 0 else 0.0   # least squares, as np.polyfit(xs, ys, 1)
             self.b = max(b, 0.0)
@@ -123,6 +122,11 @@ class _LineFit:
             self.a, self.b = my, 0.0
         elif mx > 0:
             self.a, self.b = 0.0, my / mx
+
+    def x_spread(self) -> float:
+        """Largest minus smallest x in the window (0: one size seen, so no slope can be told)."""
+        xs = [x for x, _ in self.points]
+        return max(xs) - min(xs) if xs else 0.0
 
     def _update(self, x: float, y: float, sign: float) -> None:
         """Add (sign 1) or remove (sign -1) one point's terms of the sums."""
@@ -282,8 +286,7 @@ class Planner:
             cost = self._seconds(n)
             # optimistic: accepted as a good draft would be, and, until trees of several sizes have
             # been verified (the verifier's slope is unknown), verified at a target-only step's cost
-            xs = [x for x, _ in self.verify.points]
-            flat = not xs or max(xs) == min(xs)
+            flat = self.verify.x_spread() == 0
             could_pay = tree_tokens(self.ladder[n], *OPTIMISTIC_ACCEPTANCE) / self._seconds(n, flat) > rates[best]
             affordable = tried < 3 or self.explore_seconds + cost <= EXPLORE_SHARE * (self.wall_seconds + cost)
             if could_pay and affordable and (not known_bad or self.steps % (4 * e) == 0):

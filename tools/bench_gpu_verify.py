@@ -378,15 +378,22 @@ class RecordedTrees:
     its first `budget` nodes (parents precede children, so a prefix is a tree); otherwise (the GPU
     target chose another token at a near-tie, or past the recording) send a root-only tree. At the
     end of the recorded answer the session rewinds to its prompt (a sync to a prefix of what the
-    cache holds: no prefill). Acceptance is the GPU target's own: tokens/s here are real."""
+    cache holds: no prefill). Acceptance is the GPU target's own: tokens/s here are real.
 
-    def __init__(self, item: dict, budget: int) -> None:
+    With `rejoin`, a session that leaves the recording is put back on it: its context is synced to
+    the recording up to and including the token the GPU target disagreed on (its K/V for the
+    agreed prefix stay cached). The step still counts as the tokens it produced; every later tree
+    is the one the drafter made for that context. This stands in for a drafter that drafts on the
+    GPU target's own context, which is what the edge does in service."""
+
+    def __init__(self, item: dict, budget: int, rejoin: bool = False) -> None:
         self.prompt = list(item["prompt"])
         self.full = self.prompt + list(item["answer"])
         self.trees = {t["at"]: t for t in item["trees"]}
         self.budget = budget
+        self.rejoin = rejoin
         self.on_track = True
-        self.recorded_steps = self.steps = 0
+        self.recorded_steps = self.steps = self.rejoins = 0
 
     def next_tree(self, committed: list[int]) -> TokenTree:
         at = len(committed)
@@ -398,12 +405,20 @@ class RecordedTrees:
         n = min(self.budget, len(rec["tokens"]))
         return TokenTree(tokens=np.array(rec["tokens"][:n]), parents=np.array(rec["parents"][:n]))
 
-    def after(self, at: int, tokens: list[int]) -> bool:
-        """Track the answer; True when the session should rewind to its prompt (on track again then)."""
-        self.on_track = self.on_track and tokens == self.full[at:at + len(tokens)]
-        rewind = at + len(tokens) >= len(self.full) - 1
-        self.on_track = self.on_track or rewind
-        return rewind
+    def after(self, at: int, tokens: list[int]) -> list[int] | None:
+        """Track the answer; the context to sync the session to (None: carry on as committed): the
+        prompt at the end of the answer, or with `rejoin` the recording up to a disagreement."""
+        if at + len(tokens) >= len(self.full) - 1:
+            self.on_track = True
+            return self.prompt
+        if self.on_track and tokens != self.full[at:at + len(tokens)]:
+            if not self.rejoin:
+                self.on_track = False
+                return None
+            self.rejoins += 1
+            agreed = next(i for i, (a, b) in enumerate(zip(tokens, self.full[at:])) if a != b)
+            return self.full[:at + agreed + 1]
+        return None
 
 
 def bench_capacity(args, config: ModelConfig, dtype, model: TransformerLM | None = None,
@@ -432,8 +447,12 @@ def bench_capacity(args, config: ModelConfig, dtype, model: TransformerLM | None
     backend = TorchBackend.from_model(model, n_ctx=n_ctx, max_nodes=max(max(trees), 2), max_depth=32,
                                       max_sessions=max(sizes))
 
+    engine_lock = threading.Lock()
+
     def run_batch(jobs) -> None:  # noqa: ANN001
-        for job, result in zip(jobs, backend.verify_many([j.payload for j in jobs])):
+        with engine_lock:
+            results = backend.verify_many([j.payload for j in jobs])
+        for job, result in zip(jobs, results):
             if isinstance(result, BaseException):
                 job.error = result
             else:
@@ -448,7 +467,7 @@ def bench_capacity(args, config: ModelConfig, dtype, model: TransformerLM | None
             for i in range(n):
                 s = backend.open_session()
                 if trace:
-                    sources.append(RecordedTrees(trace[i % len(trace)], T))
+                    sources.append(RecordedTrees(trace[i % len(trace)], T, rejoin=args.capacity_rejoin))
                     s.sync(sources[-1].prompt)
                 else:
                     s.sync(rng.integers(0, config.vocab_size, size=args.context).tolist())
@@ -480,8 +499,10 @@ def bench_capacity(args, config: ModelConfig, dtype, model: TransformerLM | None
                         counts[i][0] += 1
                         counts[i][1] += len(job.result.tokens)
                         counts[i][2] += time.perf_counter() - t0
-                    if trace and sources[i].after(at, list(job.result.tokens)):
-                        s.sync(sources[i].prompt)   # rewind (the prompt's K/V stay cached)
+                    resync = sources[i].after(at, list(job.result.tokens)) if trace else None
+                    if resync is not None:
+                        with engine_lock:   # a sync must not overlap a batch's step (compaction)
+                            s.sync(resync)   # a prefix of what the cache holds, plus one token: no prefill
 
             threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(n)]
             for t in threads:
@@ -513,6 +534,8 @@ def bench_capacity(args, config: ModelConfig, dtype, model: TransformerLM | None
                    "captures_total": backend.engine.stats["captures"]}
             if trace:
                 row["recorded_tree_share"] = sum(x.recorded_steps for x in sources) / max(1, sum(x.steps for x in sources))
+                row["rejoin"] = bool(args.capacity_rejoin)
+                row["rejoins_per_step"] = sum(x.rejoins for x in sources) / max(1, sum(x.steps for x in sources))
             rows.append(row)
             log("[capacity]", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
             for s in sessions:
@@ -627,6 +650,8 @@ def main() -> int:
     p.add_argument("--capacity-s", type=float, default=4.0, help="measured seconds per capacity cell")
     p.add_argument("--capacity-warmup-s", type=float, default=4.0)
     p.add_argument("--out", default=None, help="write all results here (JSON)")
+    p.add_argument("--capacity-rejoin", action="store_true",
+                   help="put a session that leaves its recorded answer back on it (RecordedTrees docstring)")
     p.add_argument("--model", help="a GGUF target: capacity with real weights (needs --capacity-trace)")
     p.add_argument("--capacity-trace", help="comma-separated JSON-lines files of recorded trees "
                                             "(tools/bench_tau.py --record-trees) that capacity clients replay")

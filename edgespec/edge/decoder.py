@@ -210,7 +210,7 @@ class Decoder:
         if self.planner and not self.planner.exploring and not draft.prefix_groups:
             q_per_node = float(draft.tree.q_tokens.shape[1])
             order = draft.order()
-            draft = draft.pruned(self.planner.prune_size(draft.scores[order], draft.decodes, q_per_node,
+            draft = draft.pruned(self.planner.prune_size(draft.scores[order], q_per_node,
                                                          depths=draft.tree.depths[order]), order)
         return draft
 

@@ -249,7 +249,7 @@ class Router:
                 if drafting_only and shape.budget == 0:
                     continue
                 tokens = tree_tokens(shape, a, a_sibling)
-                seconds = planner.step_seconds(shape.budget, 0, draft_s=arm_state.draft_seconds(shape))
+                seconds = self.step_seconds(arm_state, shape)
                 if best is None or tokens / seconds > best.rate:
                     best = Choice(name if shape.budget else None, shape, rung, tokens, seconds, a, route)
         if best is None:  # no arms: target-only
@@ -257,6 +257,10 @@ class Router:
             seconds = planner.step_seconds(0, 0)
             best = Choice(None, shape, planner.ladder.index(shape), 1.0, seconds, 0.0, route)
         return best
+
+    def step_seconds(self, arm_state: _Arm, shape: TreeShape, flat_verify: bool = False) -> float:
+        """A step of `shape` drafted by this arm, priced by the planner's live fits."""
+        return self.planner.step_seconds(shape.budget, 0, draft_s=arm_state.draft_seconds(shape), flat_verify=flat_verify)
 
     def predicted(self, route: Route) -> dict[str, float]:
         """Posterior mean a_e(x) per arm (no exploration): what the router believes."""
@@ -373,15 +377,20 @@ class RoutedPlanner(Planner):
         return self.turn
 
     def choose(self) -> TreeShape:
-        if self.turn is None:
+        """The turn's arm's best shape by the router's rates (its draws of a_e(x), its drafting
+        cost), exploring a neighbour under the same gate as Planner.choose: only a shape that could
+        pay, within EXPLORE_SHARE of the time (tried unconditionally, on a GPU verifier nearby every
+        16th step cost about a third of the speed)."""
+        if self.turn is None or self.turn.arm is None:
             return super().choose()
-        best = self.router.choose(self.turn.route, arm=self.turn.arm, acceptance=self.turn.acceptance).rung
-        self.exploring = False
-        if self.steps > 0 and self.steps % self.explore_every == 0:
-            best = best + 1 if best + 1 < len(self.ladder) else best - 1
-            self.exploring = True
-        self.last_choice = best
-        return self.ladder[best]
+        arm = self.router.arms[self.turn.arm]
+        a_sibling = float(self.acceptance(np.array([0.1]))[0])
+
+        def seconds(rung: int, flat_verify: bool = False) -> float:
+            return self.router.step_seconds(arm, self.ladder[rung], flat_verify)
+
+        rates = [tree_tokens(shape, self.turn.acceptance, a_sibling) / seconds(i) for i, shape in enumerate(self.ladder)]
+        return self._pick(rates, seconds)
 
     def observe(self, obs: StepObservation) -> None:
         shape = self.ladder[self.last_choice]

@@ -51,6 +51,11 @@ MAX_TRACKED_DEPTH = 16     # depths beyond share the last depth's correction
 EXPLORE_SHARE = 0.03       # at most this share of the observed wall time goes to trying other shapes
 OPTIMISTIC_ACCEPTANCE = (0.9, 0.3)  # (best path, sibling): a shape that cannot pay even so is not tried
 DEPTH_PRIOR = 4.0          # pseudo-observations pulling a depth's correction towards 1
+# An untried shape's decode of `width` rows costs (1 + WIDE_ROW_COST * (width - 1)) chain decodes.
+# H200 host, 0.5B draft, 8 threads (2026-12-01): 34 ms a chain decode, 51 / 93 / 162 ms for widths
+# 2 / 4 / 6; priced as one chain decode, the first tree32 at 100 ms cost 1.3 s instead of 0.3.
+WIDE_ROW_COST = 0.75
+REALIZED_WINDOW = 8        # realized tokens per rung: a running mean over about this many steps
 
 
 @dataclass
@@ -201,7 +206,7 @@ class Planner:
             self.decode_s_by_rung[rung] = per_decode if old is None else 0.7 * old + 0.3 * per_decode
         count, mean = self.realized.get(rung, (0, 0.0))
         tokens = 1.0 + float(obs.accepted.sum())
-        self.realized[rung] = (count + 1, mean + (tokens - mean) / min(count + 1, 16))
+        self.realized[rung] = (count + 1, mean + (tokens - mean) / min(count + 1, REALIZED_WINDOW))
         if obs.depths is not None:  # before the bins learn from this step: predicted out of sample
             d = np.minimum(obs.depths, MAX_TRACKED_DEPTH)
             np.add.at(self.depth_predicted, d, self.acceptance(obs.scores))
@@ -286,9 +291,10 @@ class Planner:
         rates = [tokens / self._seconds(i) for i, tokens in enumerate(self._tokens_by_rung)]
         return self._pick(rates, self._seconds)
 
-    def _pick(self, rates: list[float], seconds: Callable[[int, bool], float]) -> TreeShape:
+    def _pick(self, rates: list[float], seconds: Callable[[int, bool], float], learning: bool = False) -> TreeShape:
         """The best rung by `rates`, or on an exploration step a neighbour that passes choose()'s
-        gate; seconds(rung, flat_verify) prices a rung (the router's planner passes its arm's)."""
+        gate (`learning`: tried whatever the gate says); seconds(rung, optimistic) prices a rung
+        (the router's planner passes its arm's)."""
         best = int(np.argmax(rates))
         self.exploring = False
         if self.steps > 0 and self.steps % self.explore_every == 0:
@@ -298,23 +304,29 @@ class Planner:
             tried = self.realized.get(n, (0, 0.0))[0]
             known_bad = tried >= 3 and rates[n] < 0.5 * rates[best]
             cost = seconds(n, False)
-            # optimistic: accepted as a good draft would be, and, until trees of several sizes have
-            # been verified (the verifier's slope is unknown), verified at a target-only step's cost
-            flat = self.verify.x_spread() == 0
-            could_pay = tree_tokens(self.ladder[n], *OPTIMISTIC_ACCEPTANCE) / seconds(n, flat) > rates[best]
-            affordable = tried < 3 or self.explore_seconds + cost <= EXPLORE_SHARE * (self.wall_seconds + cost)
-            if could_pay and affordable and (not known_bad or self.steps % (4 * e) == 0):
+            could_pay = tree_tokens(self.ladder[n], *OPTIMISTIC_ACCEPTANCE) / seconds(n, True) > rates[best]
+            # the first tries are free while they cost no more than two steps of the best shape
+            # (a wide tree's first try could take a second where a step takes 0.1 s)
+            cheap = tried < 3 and cost <= 2 * seconds(best, False)
+            affordable = cheap or self.explore_seconds + cost <= EXPLORE_SHARE * (self.wall_seconds + cost)
+            if learning or (could_pay and affordable and (not known_bad or self.steps % (4 * e) == 0)):
                 best, self.exploring = n, True
                 self.explore_seconds += cost
         self.last_choice = best
         return self.ladder[best]
 
-    def _seconds(self, rung: int, flat_verify: bool = False) -> float:
-        """A rung's predicted step time, with its own measured drafting cost once it has one."""
+    def _seconds(self, rung: int, optimistic: bool = False) -> float:
+        """A rung's predicted step time, with its own measured drafting cost once it has one.
+        optimistic (may it be worth trying?): until trees of several sizes have been verified (the
+        verifier's slope is unknown) verified at a target-only step's cost, and an untried shape
+        drafted at a chain's cost per decode."""
         shape = self.ladder[rung]
+        flat_verify = optimistic and self.verify.x_spread() == 0
         if not shape.budget:
             return self.step_seconds(0, 0, flat_verify=flat_verify)
-        per_decode = self.decode_s_by_rung.get(rung, self.draft_per_decode_s)
+        per_decode = self.decode_s_by_rung.get(rung)
+        if per_decode is None:   # untried: a level of `width` rows costs more than a chain's one row
+            per_decode = self.draft_per_decode_s * (1 if optimistic else 1 + WIDE_ROW_COST * (shape.width - 1))
         return self.step_seconds(shape.budget, shape.max_depth, draft_s=shape.max_depth * per_decode,
                                  flat_verify=flat_verify)
 

@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 STATE_VERSION = 1
 NOISE = 0.5            # std of one Bernoulli trial at most: scales the posterior of a_e(x)
 PRIOR_TRIALS = 1.0     # ridge strength: pseudo-trials per direction pulling a_e(x) to the prior
+LEARNING_STEPS = 3     # an arm observed fewer times than this is explored whatever its predicted cost
 PRIOR_ACCEPTANCE = 0.5
 ROUTE_TOKENS = 16      # tokens of each text embedded (head and tail): see "Cost of a decision" above
 RECENT_WEIGHT = 0.5    # weight of the previous turn in the context vector (halved per turn further back)
@@ -378,19 +379,21 @@ class RoutedPlanner(Planner):
 
     def choose(self) -> TreeShape:
         """The turn's arm's best shape by the router's rates (its draws of a_e(x), its drafting
-        cost), exploring a neighbour under the same gate as Planner.choose: only a shape that could
-        pay, within EXPLORE_SHARE of the time (tried unconditionally, on a GPU verifier nearby every
-        16th step cost about a third of the speed)."""
+        cost), exploring a neighbour under the same gate as Planner.choose once the arm has been
+        observed LEARNING_STEPS times: only a shape that could pay, within EXPLORE_SHARE of the time
+        (tried unconditionally, on a GPU verifier nearby every 16th step cost about a third of the speed)."""
         if self.turn is None or self.turn.arm is None:
             return super().choose()
         arm = self.router.arms[self.turn.arm]
         a_sibling = float(self.acceptance(np.array([0.1]))[0])
 
-        def seconds(rung: int, flat_verify: bool = False) -> float:
-            return self.router.step_seconds(arm, self.ladder[rung], flat_verify)
+        def seconds(rung: int, optimistic: bool = False) -> float:
+            return self.router.step_seconds(arm, self.ladder[rung], optimistic and self.verify.x_spread() == 0)
 
         rates = [tree_tokens(shape, self.turn.acceptance, a_sibling) / seconds(i) for i, shape in enumerate(self.ladder)]
-        return self._pick(rates, seconds)
+        # an arm the router has seen fewer than LEARNING_STEPS times is tried regardless: its a_e(x)
+        # is a prior, and only steps it drafts teach the router (and persist for the next session)
+        return self._pick(rates, seconds, learning=arm.steps < LEARNING_STEPS)
 
     def observe(self, obs: StepObservation) -> None:
         shape = self.ladder[self.last_choice]

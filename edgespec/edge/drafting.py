@@ -27,6 +27,7 @@ from edgespec.common.sampling import (
     dequantize,
     probabilities,
     quantize_draft,
+    top_tokens,
 )
 from edgespec.common.tree import TokenTree
 from edgespec.runtime.llama import ContextConfig, LlamaModel, TreeContext
@@ -260,7 +261,7 @@ class Drafter:
             logits = sampling.constraint.apply(logits, [*self._committed, *path[::-1]])
         if sampling.needs_q:
             p = probabilities(logits, sampling)
-            support = np.argsort(-p, kind="stable")[: shape.branching]
+            support = top_tokens(p, shape.branching)
             support = support[p[support] > 0]
             q_tokens, q_weights = quantize_draft(support, p[support])
             q = dequantize(q_weights)
@@ -269,7 +270,7 @@ class Drafter:
             child_tokens, child_q = q_tokens[drawn], q[drawn]
         else:  # greedy / target-sample: the most probable tokens, deterministically
             probs = probabilities(logits, _PLAIN_SOFTMAX if sampling.greedy else sampling)
-            child_tokens = np.argsort(-probs, kind="stable")[: shape.branching]
+            child_tokens = top_tokens(probs, shape.branching)
             child_tokens = child_tokens[probs[child_tokens] > 0]
             child_q = probs[child_tokens]
         added = []

@@ -51,9 +51,11 @@ MAX_TRACKED_DEPTH = 16     # depths beyond share the last depth's correction
 EXPLORE_SHARE = 0.03       # at most this share of the observed wall time goes to trying other shapes
 OPTIMISTIC_ACCEPTANCE = (0.9, 0.3)  # (best path, sibling): a shape that cannot pay even so is not tried
 DEPTH_PRIOR = 4.0          # pseudo-observations pulling a depth's correction towards 1
-# An untried shape's decode of `width` rows costs (1 + WIDE_ROW_COST * (width - 1)) chain decodes.
-# H200 host, 0.5B draft, 8 threads (2026-12-01): 34 ms a chain decode, 51 / 93 / 162 ms for widths
-# 2 / 4 / 6; priced as one chain decode, the first tree32 at 100 ms cost 1.3 s instead of 0.3.
+# An untried shape's decode of `width` rows costs (1 + WIDE_ROW_COST * (width - 1)) chain decodes
+# (a prior: each shape's measured cost replaces it once tried). Priced as one chain decode, the first
+# tree32 steps on the H200 host took 1.3 s where a chain step took 0.15 s (2026-12-01, 34 ms a chain
+# decode, 162 ms a 6-wide one, when every row still sorted the vocabulary); llama_decode alone of
+# the 0.5B draft on one core of the 2-core box: 50 ms for one row, 286 ms for eight.
 WIDE_ROW_COST = 0.75
 REALIZED_WINDOW = 8        # realized tokens per rung: a running mean over about this many steps
 

@@ -55,10 +55,7 @@ class TokenTree:
     @property
     def depths(self) -> np.ndarray:
         """Depth of each node (root 0); valid only after `validate` (parents precede children)."""
-        depths = np.zeros(len(self), np.int32)
-        for i in range(1, len(self)):
-            depths[i] = depths[self.parents[i]] + 1
-        return depths
+        return np.array(_depths(self.parents.tolist()), np.int32)
 
     def children(self) -> list[list[int]]:
         """Children of every node, in draw order."""
@@ -96,23 +93,27 @@ class TokenTree:
             raise InvalidTreeError(f"tree has {n} nodes, over the limit of {max_nodes}")
         if self.tokens.ndim != 1 or self.parents.shape != self.tokens.shape:
             raise InvalidTreeError(f"tokens {self.tokens.shape} and parents {self.parents.shape} must be equal 1-D arrays")
-        bad = np.flatnonzero((self.tokens < 0) | (self.tokens >= vocab_size))
-        if bad.size:
-            raise InvalidTreeError(f"node {bad[0]} has token id {self.tokens[bad[0]]} outside the vocabulary [0, {vocab_size})")
+        # The verifier checks every tree of every batch: a handful of whole-array numpy calls and one
+        # Python pass over the parents here, not numpy calls per node (docs/BENCHMARKS.md, host time)
+        tokens = self.tokens
+        if tokens.min() < 0 or tokens.max() >= vocab_size:
+            bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
+            raise InvalidTreeError(f"node {bad[0]} has token id {tokens[bad[0]]} outside the vocabulary [0, {vocab_size})")
         if self.parents[0] != -1:
             raise InvalidTreeError(f"node 0 must be the root (parent -1), got parent {self.parents[0]}")
-        idx = np.arange(n)
-        bad = np.flatnonzero((self.parents[1:] < 0) | (self.parents[1:] >= idx[1:]))
-        if bad.size:
-            i = int(bad[0]) + 1
-            raise InvalidTreeError(f"node {i} has parent {self.parents[i]}: parents must precede children "
-                                   "(orphan or cycle)")
-        if max_depth is not None and n > 1 and int(self.depths.max()) > max_depth:
-            raise InvalidTreeError(f"tree depth {int(self.depths.max())} exceeds the limit of {max_depth}")
-        for parent, kids in enumerate(self.children()):
-            kid_tokens = self.tokens[kids]
-            if len(set(kid_tokens.tolist())) != len(kids):
-                raise InvalidTreeError(f"node {parent} has duplicate child tokens")
+        if n == 1:
+            self._validate_q(vocab_size, require_q)
+            return
+        parents = self.parents.tolist()
+        depths = _depths(parents, check=True)
+        if max_depth is not None and max(depths) > max_depth:
+            raise InvalidTreeError(f"tree depth {max(depths)} exceeds the limit of {max_depth}")
+        # (parent, token) pairs as one sorted key: equal neighbours are duplicate siblings; the smallest
+        # such key names the first parent in node order, as a per-parent loop would
+        key = np.sort(self.parents[1:].astype(np.int64) * vocab_size + tokens[1:])
+        dup = key[1:][key[1:] == key[:-1]]
+        if dup.size:
+            raise InvalidTreeError(f"node {int(dup[0] // vocab_size)} has duplicate child tokens")
         self._validate_q(vocab_size, require_q)
 
     def _validate_q(self, vocab_size: int, require_q: bool) -> None:
@@ -134,3 +135,16 @@ class TokenTree:
             missing = set(self.tokens[kids].tolist()) - set(q_tok.tolist())
             if missing:
                 raise InvalidTreeError(f"children {sorted(missing)} of node {parent} are not in its draft distribution")
+
+
+def _depths(parents: list[int], check: bool = False) -> list[int]:
+    """Depth of each node from the parents as a list (a plain Python pass beats numpy per node, and
+    pointer doubling too, up to MAX_TREE_NODES). With `check`, raise InvalidTreeError at the first
+    node whose parent does not precede it."""
+    d = [0] * len(parents)
+    for i in range(1, len(parents)):
+        p = parents[i]
+        if check and not 0 <= p < i:
+            raise InvalidTreeError(f"node {i} has parent {p}: parents must precede children (orphan or cycle)")
+        d[i] = d[p] + 1
+    return d

@@ -115,7 +115,7 @@ class TorchSession(BackendSession):
         if not decided_on_device(sampling):  # the rejection rule needs q: decided from logits rows on the host
             def host_rule(argmax, row):  # noqa: ANN001, ANN202
                 return accept_logits(tree, sampling, step, argmax, row, self.committed)[0]
-        return TreeStep(self.seq, tree.tokens.tolist(), tree.parents.tolist(), sampling, step, host_rule)
+        return TreeStep(self.seq, tree.tokens, tree.parents, sampling, step, host_rule)   # arrays: copied whole
 
     def _commit(self, tree: TokenTree, decision: Decision, compute_s: float) -> VerifyResult:
         committed = [*tree.tokens[decision.path].tolist(), decision.next_token]

@@ -44,6 +44,7 @@ from edgespec.common.rng import Purpose, generator
 from edgespec.common.sampling import SamplingParams
 from edgespec.verifier.torch.kv_cache import Compaction, KVSequence, PagedKVCache
 from edgespec.verifier.torch.model import TransformerLM
+from edgespec.verifier.torch.philox import residual_uniforms
 from edgespec.verifier.torch.tree_attention import TorchPagedAttention, ancestor_mask, chain_parents, depths
 
 GREEDY, SAMPLE, SAMPLE_TRUNCATED = 0, 1, 2   # device decision modes (graph variants)
@@ -352,13 +353,12 @@ class Engine:
         self._last = st
         self.stats["steps"] += 1
         decisions = []
-        for b, s in enumerate(steps):
+        for b, (s, row) in enumerate(zip(steps, out[:len(steps)].tolist())):   # one tolist, not 3 per row
             if s.host_rule is not None:
                 decisions.append(self._decide_on_host(st, b, s, T, NB))
                 continue
-            k = int(out[b, 1])
-            decisions.append(Decision(out[b, 3:3 + k].astype(np.int64).tolist(), int(out[b, 0]),
-                                      out[b, 2 + T:3 + T + k].tolist()))
+            k = int(row[1])
+            decisions.append(Decision([int(x) for x in row[3:3 + k]], int(row[0]), row[2 + T:3 + T + k]))
         for s, d in zip(steps, decisions):
             s.seq.length += 1 + len(d.path)
             s.seq.trim()
@@ -398,8 +398,7 @@ class Engine:
         a["compact"].fill(0)
         a["greedy"].fill(1)
         a["top_k"].fill(0)
-        sampled = False
-        for b, s in enumerate(steps):
+        for b, s in enumerate(steps):         # a row copy per field (numpy arrays from the backend: memcpy)
             n = len(s.tokens)
             a["tokens"][b, :n] = s.tokens
             a["parents"][b, 1:n] = s.parents[1:]
@@ -407,19 +406,20 @@ class Engine:
             a["sizes"][b] = n
             a["tables"][b, :len(s.seq.blocks)] = s.seq.blocks
             a["ctx"][b] = s.seq.length
-            decided_here = s.host_rule is None
-            a["compact"][b] = decided_here
-            if decided_here and not s.sampling.greedy:
-                if not sampled:
-                    a["u"].fill(0.0)
-                    a["temperature"].fill(1.0)
-                    a["top_p"].fill(1.0)
-                    sampled = True
-                a["greedy"][b] = 0
-                a["top_k"][b] = s.sampling.top_k
-                a["temperature"][b] = s.sampling.temperature
-                a["top_p"][b] = s.sampling.top_p
-                a["u"][b, :n] = [uniform(s.sampling.seed, s.step, i) for i in range(n)]
+            a["compact"][b] = s.host_rule is None
+        sampled = [b for b, s in enumerate(steps) if s.host_rule is None and not s.sampling.greedy]
+        if sampled:
+            a["u"].fill(0.0)
+            a["temperature"].fill(1.0)
+            a["top_p"].fill(1.0)
+            for b in sampled:
+                p = steps[b].sampling
+                a["greedy"][b], a["top_k"][b], a["temperature"][b], a["top_p"][b] = 0, p.top_k, p.temperature, p.top_p
+            # every sampled node's uniform in one vectorised Philox pass (uniform() per node: ~25 us each)
+            trees = [(steps[b].sampling.seed, steps[b].step, len(steps[b].tokens)) for b in sampled]
+            u = np.zeros((len(sampled), T))
+            u[np.arange(T) < a["sizes"][sampled, None]] = residual_uniforms(trees)   # row-major = tree order
+            a["u"][sampled] = u
         st.ints.copy_(st.host_ints, non_blocking=True)
         if sampled:
             st.floats.copy_(st.host_floats, non_blocking=True)

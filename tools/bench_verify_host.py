@@ -1,0 +1,134 @@
+"""Host time of TorchBackend.verify_many by phase, on the CPU with a tiny random model.
+
+The GPU step is replayed from a CUDA graph, so what a batch costs beyond it is host Python: tree
+checks, block reservations, packing the step's inputs, reading the decisions back, committing.
+Here the model is ModelConfig.tiny (the forward is small) and every phase is timed by wrapping the
+function that does it; "host" is the whole verify_many minus the step function (Engine._run).
+
+    .venv/bin/python tools/bench_verify_host.py --sessions 16 --tree 64 [--sampled] [--cprofile]
+
+Times are CPU seconds of the calling thread (time.thread_time: steadier than wall time on a
+shared box; torch runs on one thread here), medians over --iters batches, in milliseconds.
+Compare two versions of the code by running this once with each on PYTHONPATH (see
+docs/BENCHMARKS.md); results_sha (accepted paths and tokens) and kv_sha (the cache) must agree.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+import edgespec
+from edgespec.common.sampling import SamplingParams
+from edgespec.common.tree import TokenTree
+from edgespec.verifier.torch import backend as bk
+from edgespec.verifier.torch import engine as en
+from edgespec.verifier.torch import kv_cache as kv
+from edgespec.verifier.torch.model import ModelConfig, TransformerLM
+
+PHASES = [(bk, "check_tree", "check_tree"), (bk.TorchSession, "_tree_step", "tree_step (incl. check_tree)"),
+          (kv.KVSequence, "reserve", "reserve"), (kv.KVSequence, "trim", "trim"), (en.Engine, "_pack", "pack"),
+          (en.Engine, "_run", "step function"), (en.Engine, "verify", "engine.verify (incl. pack, step)"),
+          (bk.TorchSession, "_commit", "commit"), (en.Engine, "between_steps", "between_steps")]
+
+
+def timed(spent: dict, obj, name: str, label: str) -> None:  # noqa: ANN001
+    """Replace obj.name by a wrapper that adds its thread CPU time to spent[label]."""
+    f = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):  # noqa: ANN202
+        t = time.thread_time()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            spent[label] += time.thread_time() - t
+    setattr(obj, name, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--tree", type=int, default=64, help="nodes per tree, root included")
+    ap.add_argument("--context", type=int, default=1024, help="tokens each session is synced to first")
+    ap.add_argument("--iters", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--sampled", action="store_true", help="temperature 0.8 (target-sample rule) instead of greedy")
+    ap.add_argument("--cprofile", action="store_true", help="also print the host functions' cProfile (step excluded)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    spent: dict[str, float] = defaultdict(float)
+    prof = None
+    if args.cprofile:
+        import cProfile
+        prof = cProfile.Profile()
+        run = en.Engine._run
+
+        def run_unprofiled(self, *a):  # noqa: ANN001, ANN202
+            prof.disable()
+            try:
+                return run(self, *a)
+            finally:
+                prof.enable()
+        en.Engine._run = run_unprofiled
+    for obj, name, label in PHASES:
+        timed(spent, obj, name, label)
+
+    config = ModelConfig.tiny("qwen2")
+    n_ctx = args.context + args.iters + args.warmup + 256
+    model = TransformerLM.random(config, max_positions=n_ctx)
+    backend = bk.TorchBackend.from_model(model, n_ctx=n_ctx, max_nodes=max(args.tree, 2), max_depth=64,
+                                         max_sessions=args.sessions)
+    rng = np.random.default_rng(0)
+    sessions = []
+    for _ in range(args.sessions):
+        s = backend.open_session()
+        s.sync(rng.integers(0, config.vocab_size, size=args.context).tolist())
+        sessions.append(s)
+    sampling = SamplingParams(temperature=0.8, seed=11) if args.sampled else SamplingParams()
+
+    def batch(step: int) -> list:
+        requests = []
+        for s in sessions:
+            T = args.tree
+            parents = [-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, T)]   # bushy but deep-ish
+            drafted = (int(rng.integers(0, config.vocab_size)) + np.arange(T - 1)) % config.vocab_size
+            tree = TokenTree(tokens=np.concatenate(([s.committed[-1]], drafted)), parents=np.array(parents))
+            requests.append((s, tree, sampling, step))
+        return requests
+
+    samples: dict[str, list[float]] = defaultdict(list)
+    results = []
+    for it in range(args.warmup + args.iters):
+        requests = batch(it)
+        spent.clear()
+        if prof is not None and it >= args.warmup:
+            prof.enable()
+        t = time.thread_time()
+        answers = backend.verify_many(requests)
+        total = time.thread_time() - t
+        if prof is not None:
+            prof.disable()
+        results.append([(a.path, a.tokens) for a in answers])
+        if it >= args.warmup:
+            for k, v in spent.items():
+                samples[k].append(v * 1e3)
+            samples["verify_many"].append(total * 1e3)
+            samples["host (verify_many - step function)"].append((total - spent["step function"]) * 1e3)
+    ms = {k: round(statistics.median(v), 3) for k, v in samples.items()}
+    print(json.dumps({"code": edgespec.__file__, "sessions": args.sessions, "tree": args.tree,
+                      "sampled": args.sampled, "iters": args.iters, "ms": ms,
+                      "results_sha": hashlib.sha1(repr(results).encode()).hexdigest()[:12],
+                      "kv_sha": hashlib.sha1(backend.engine.cache.kv.numpy().tobytes()).hexdigest()[:12]}))
+    if prof is not None:
+        import pstats
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()

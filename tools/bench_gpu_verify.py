@@ -516,10 +516,12 @@ def bench_capacity(args, config: ModelConfig, dtype, model: TransformerLM | None
                 if backend.engine.stats["captures"] == before:
                     break
             b0 = (worker.stats.batches, worker.stats.jobs)
+            captured_before = backend.engine.stats["captures"]
             measuring.set()
             t0 = time.perf_counter()
             time.sleep(args.capacity_s)
             measuring.clear()
+            captured_during = backend.engine.stats["captures"] - captured_before
             elapsed = time.perf_counter() - t0
             b1 = (worker.stats.batches, worker.stats.jobs)
             stop.set()
@@ -531,7 +533,10 @@ def bench_capacity(args, config: ModelConfig, dtype, model: TransformerLM | None
                    "tokens_per_request": sum(c[1] for c in counts) / max(1, req),
                    "mean_batch": (b1[1] - b0[1]) / max(1, b1[0] - b0[0]),
                    "mean_latency_ms": 1000 * sum(c[2] for c in counts) / max(1, req), "errors": errors[:3],
-                   "captures_total": backend.engine.stats["captures"]}
+                   "captures_total": backend.engine.stats["captures"],
+                   # a capture inside the measured window (a bucket first reached late) stalls every
+                   # session for its duration: such a row measures the capture, not the service
+                   "captures_measured": captured_during}
             if trace:
                 row["recorded_tree_share"] = sum(x.recorded_steps for x in sources) / max(1, sum(x.steps for x in sources))
                 row["rejoin"] = bool(args.capacity_rejoin)

@@ -2,6 +2,8 @@
 identical: the children, their order and their probabilities)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -13,14 +15,9 @@ def _full_sort(p: np.ndarray, k: int) -> np.ndarray:
 
 
 def _reference_probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """probabilities() as it was, with a full stable sort for the nucleus."""
-    z = np.asarray(logits, dtype=np.float64) / max(params.temperature, 1e-8)
-    if 0 < params.top_k < z.size:
-        kth = np.partition(z, -params.top_k)[-params.top_k]
-        z = np.where(z >= kth, z, -np.inf)
-    z -= z.max()
-    p = np.exp(z)
-    p /= p.sum()
+    """probabilities() as it was, with a full stable sort for the nucleus (temperature and top-k,
+    which did not change, from probabilities() itself)."""
+    p = probabilities(logits, dataclasses.replace(params, top_p=1.0))
     if params.top_p < 1.0:
         order = np.argsort(-p, kind="stable")
         cum = np.cumsum(p[order])

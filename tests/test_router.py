@@ -292,3 +292,23 @@ def test_routed_planner_counts_a_lookup_without_match_as_a_miss(embedder, tmp_pa
     routed.last_choice = 2
     routed.observe(empty_step(4))       # the model drafted; the planner sent nothing
     assert router.arms["draft"].steps == 0
+
+
+def test_routed_planner_stays_target_only_when_no_arm_may_draft(embedder, tmp_path) -> None:
+    """A turn with no eligible arm (begin_turn among none: e.g. no arm drafts alone under the sampled
+    rule) is target-only on every step, however well the shared planner has seen trees accepted."""
+    from edgespec.edge.router import RoutedPlanner
+
+    router = Router([ArmSpec("lookup", 0.0, 0.002), ArmSpec("draft", 0.03)], embedder=embedder,
+                    state_path=tmp_path / "r.npz", save_every=0)
+    routed = RoutedPlanner(router)
+    route = router.route(CODE[0])
+    routed.begin_turn(CODE[0], route=route, among=["draft"])
+    for _ in range(30):   # the draft arm's chains were all accepted
+        routed.choose()
+        routed.observe(StepObservation(nodes=4, draft_s=0.004, draft_decodes=4, network_s=0.05, bytes_up=80,
+                                       verify_s=0.01, queue_s=0.0, scores=np.full(4, 0.95), accepted=np.ones(4, bool),
+                                       depths=np.arange(1, 5), shape="chain4"))
+    turn = routed.begin_turn(CODE[0], route=route, among=[])
+    assert turn.arm is None
+    assert all(routed.choose().budget == 0 and not routed.exploring for _ in range(2 * routed.explore_every))

@@ -382,8 +382,12 @@ class RoutedPlanner(Planner):
         cost), exploring a neighbour under the same gate as Planner.choose once the arm has been
         observed LEARNING_STEPS times: only a shape that could pay, within EXPLORE_SHARE of the time
         (tried unconditionally, on a GPU verifier nearby every 16th step cost about a third of the speed)."""
-        if self.turn is None or self.turn.arm is None:
+        if self.turn is None:
             return super().choose()
+        if self.turn.arm is None:   # no arm may draft this turn (e.g. none drafts alone under the
+            self.exploring = False  # sampled rule): the router's choice, target-only, every step
+            self.last_choice = self.turn.rung
+            return self.ladder[self.turn.rung]
         arm = self.router.arms[self.turn.arm]
         a_sibling = float(self.acceptance(np.array([0.1]))[0])
 

@@ -10,11 +10,11 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'edgespec[torch]')")
 
-from edgespec.common.acceptance import accept_logits  # noqa: E402
+from edgespec.common.acceptance import accept_logits, target_sample_uniform  # noqa: E402
 from edgespec.common.sampling import AcceptanceRule, SamplingParams, probabilities, sample_inverse_cdf  # noqa: E402
 from edgespec.common.tree import TokenTree  # noqa: E402
 from edgespec.verifier.torch.block_pool import OutOfBlocksError  # noqa: E402
-from edgespec.verifier.torch.engine import Engine, TreeStep, bucket, sample_choice, uniform  # noqa: E402
+from edgespec.verifier.torch.engine import Engine, TreeStep, bucket, sample_choice  # noqa: E402
 from edgespec.verifier.torch.kv_cache import PagedKVCache  # noqa: E402
 from edgespec.verifier.torch.model import ModelConfig, TransformerLM  # noqa: E402
 from edgespec.verifier.torch.tree_attention import TorchPagedAttention, ancestor_mask  # noqa: E402
@@ -121,7 +121,7 @@ def test_device_acceptance_equals_reference_and_compacts_kv(model, sampling):
     def choose(node, row):
         if sampling.greedy:
             return int(row.argmax())
-        return sample_inverse_cdf(probabilities(row, sampling), uniform(sampling.seed, step, node))
+        return sample_inverse_cdf(probabilities(row, sampling), target_sample_uniform(sampling.seed, step, node))
 
     for n_ctx, n in ((13, 9), (30, 16), (5, 3)):
         prefix = rng.integers(0, VOCAB, size=n_ctx).tolist()

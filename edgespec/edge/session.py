@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import os
 import secrets
 import threading
@@ -303,10 +302,6 @@ class EdgeSession:
 
             self.router = Router(pool_arms(self.pool), embedder=embedder, state_path=router_state)
             self._routed = self.decoder.planner = RoutedPlanner(self.router, self.pool)
-        # What is alive now (models, tokenizer tables, gRPC, presidio) lives as long as the session:
-        # kept out of the cyclic collector's full passes, which otherwise walk it all (~24 ms on a
-        # slow core) in the middle of some decoding step. Objects made later are collected as usual.
-        gc.freeze()
 
     def reset_stats(self) -> SessionStats:
         """Start counting afresh (e.g. per request); returns the statistics gathered so far."""

@@ -40,7 +40,6 @@ import torch
 
 from edgespec.common import acceptance
 from edgespec.common.errors import ContextOverflowError
-from edgespec.common.rng import Purpose, generator
 from edgespec.common.sampling import SamplingParams
 from edgespec.verifier.torch.kv_cache import Compaction, KVSequence, PagedKVCache
 from edgespec.verifier.torch.model import TransformerLM
@@ -59,11 +58,6 @@ def bucket(n: int) -> int:
 def rule_of(sampling: SamplingParams) -> str:
     rule = getattr(sampling, "rule", TARGET_SAMPLE)
     return str(getattr(rule, "value", rule))
-
-
-def uniform(seed: int, step: int, node: int) -> float:
-    """The target-sample rule's one uniform at (step, node): common/acceptance.py's, bit for bit."""
-    return float(generator(seed, step, node, Purpose.RESIDUAL).random())
 
 
 def decided_on_device(sampling: SamplingParams) -> bool:

@@ -108,6 +108,7 @@ class _LineFit:
         self.a, self.b = a, b
         self.fixed_first = fixed_first
         self._sums = [0.0, 0.0, 0.0, 0.0]   # Σx, Σy, Σx², Σxy over the window
+        self._x_counts: dict[float, int] = {}   # x -> points in the window (its spread, without a scan)
 
     def add(self, x: float, y: float) -> None:
         """O(window) at most, no numpy: it runs on every step, and a target-only step on a GPU verifier
@@ -116,8 +117,13 @@ class _LineFit:
         if len(self.points) == self.points.maxlen:
             ox, oy = self.points[0]
             self._update(ox, oy, -1.0)
+            if self._x_counts[ox] == 1:
+                del self._x_counts[ox]
+            else:
+                self._x_counts[ox] -= 1
         self.points.append((x, y))
         self._update(x, y, 1.0)
+        self._x_counts[x] = self._x_counts.get(x, 0) + 1
         n = len(self.points)
         sx, sy, sxx, sxy = self._sums
         mx, my = sx / n, sy / n
@@ -133,7 +139,7 @@ class _LineFit:
 
     def x_spread(self) -> float:
         """Largest minus smallest x in the window (0: one size seen, so no slope can be told)."""
-        xs = [x for x, _ in self.points]
+        xs = self._x_counts
         return max(xs) - min(xs) if xs else 0.0
 
     def _update(self, x: float, y: float, sign: float) -> None:

@@ -43,7 +43,7 @@ from edgespec.common.errors import ContextOverflowError
 from edgespec.common.sampling import SamplingParams
 from edgespec.verifier.torch.kv_cache import Compaction, KVSequence, PagedKVCache
 from edgespec.verifier.torch.model import TransformerLM
-from edgespec.verifier.torch.philox import residual_uniforms
+from edgespec.common.rng import residual_uniforms
 from edgespec.verifier.torch.tree_attention import TorchPagedAttention, ancestor_mask, chain_parents, depths
 
 GREEDY, SAMPLE, SAMPLE_TRUNCATED = 0, 1, 2   # device decision modes (graph variants)

@@ -1,8 +1,8 @@
-"""The engine's vectorised target-sample uniforms equal common/rng.py's generator, bit for bit."""
+"""residual_uniforms (the verifier engine's target-sample uniforms, a batch at once) equals generator(), bit for bit."""
 import numpy as np
 
 from edgespec.common.acceptance import target_sample_uniform
-from edgespec.verifier.torch.philox import residual_uniforms
+from edgespec.common.rng import residual_uniforms
 
 
 def test_residual_uniforms_match_the_generator_bit_for_bit():

@@ -329,7 +329,7 @@ class Planner:
         verifier's slope is unknown) verified at a target-only step's cost, and an untried shape
         drafted at a chain's cost per decode."""
         shape = self.ladder[rung]
-        flat_verify = optimistic and self.verify.x_spread() == 0
+        flat_verify = self.verify_flat(optimistic)
         if not shape.budget:
             return self.step_seconds(0, 0, flat_verify=flat_verify)
         per_decode = self.decode_s_by_rung.get(rung)
@@ -337,6 +337,11 @@ class Planner:
             per_decode = self.draft_per_decode_s * (1 if optimistic else 1 + WIDE_ROW_COST * (shape.width - 1))
         return self.step_seconds(shape.budget, shape.max_depth, draft_s=shape.max_depth * per_decode,
                                  flat_verify=flat_verify)
+
+    def verify_flat(self, optimistic: bool) -> bool:
+        """Whether an optimistic price verifies a tree at a target-only step's cost: only while every
+        tree in the verify fit's window had one size (its slope per node is unknown)."""
+        return optimistic and self.verify.x_spread() == 0
 
     def prune_size(self, scores: np.ndarray, q_entries_per_node: float = 0.0,
                    depths: np.ndarray | None = None) -> int:

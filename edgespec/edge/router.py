@@ -392,7 +392,7 @@ class RoutedPlanner(Planner):
         a_sibling = float(self.acceptance(np.array([0.1]))[0])
 
         def seconds(rung: int, optimistic: bool = False) -> float:
-            return self.router.step_seconds(arm, self.ladder[rung], optimistic and self.verify.x_spread() == 0)
+            return self.router.step_seconds(arm, self.ladder[rung], self.verify_flat(optimistic))
 
         rates = [tree_tokens(shape, self.turn.acceptance, a_sibling) / seconds(i) for i, shape in enumerate(self.ladder)]
         # an arm the router has seen fewer than LEARNING_STEPS times is tried regardless: its a_e(x)

@@ -80,6 +80,14 @@ def random_parents(n: int, rng: np.random.Generator) -> list[int]:
     return [-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, n)]  # bushy but deep-ish
 
 
+def random_tree(root: int, n: int, vocab_size: int, rng: np.random.Generator) -> TokenTree:
+    """A tree of n nodes under `root` with distinct consecutive drafted tokens (none repeats a
+    sibling): random weights accept ~nothing, so its shape and size are what costs."""
+    parents = np.array(random_parents(n, rng))
+    drafted = (int(rng.integers(0, vocab_size)) + np.arange(n - 1)) % vocab_size
+    return TokenTree(tokens=np.concatenate(([root], drafted)), parents=parents)
+
+
 def cuda_ms(fn, warmup: int, iters: int) -> float:
     for _ in range(warmup):
         fn()
@@ -485,9 +493,7 @@ def bench_capacity(args, config: ModelConfig, dtype, model: TransformerLM | None
                     if trace:
                         tree = sources[i].next_tree(s.committed)
                     else:
-                        parents = np.array(random_parents(T, r))
-                        drafted = (int(r.integers(0, config.vocab_size)) + np.arange(T - 1)) % config.vocab_size
-                        tree = TokenTree(tokens=np.concatenate(([s.committed[-1]], drafted)), parents=parents)
+                        tree = random_tree(s.committed[-1], T, config.vocab_size, r)
                     at = len(s.committed)
                     t0 = time.perf_counter()
                     job = worker.submit((s, tree, SamplingParams(), step))

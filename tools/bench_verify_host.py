@@ -18,19 +18,23 @@ import argparse
 import hashlib
 import json
 import statistics
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import torch
 
 import edgespec
 from edgespec.common.sampling import SamplingParams
-from edgespec.common.tree import TokenTree
 from edgespec.verifier.torch import backend as bk
 from edgespec.verifier.torch import engine as en
 from edgespec.verifier.torch import kv_cache as kv
 from edgespec.verifier.torch.model import ModelConfig, TransformerLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu_verify import random_tree  # noqa: E402 - the capacity clients' random trees
 
 PHASES = [(bk, "check_tree", "check_tree"), (bk.TorchSession, "_tree_step", "tree_step (incl. check_tree)"),
           (kv.KVSequence, "reserve", "reserve"), (kv.KVSequence, "trim", "trim"), (en.Engine, "_pack", "pack"),
@@ -93,14 +97,8 @@ def main() -> None:
     sampling = SamplingParams(temperature=0.8, seed=11) if args.sampled else SamplingParams()
 
     def batch(step: int) -> list:
-        requests = []
-        for s in sessions:
-            T = args.tree
-            parents = [-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, T)]   # bushy but deep-ish
-            drafted = (int(rng.integers(0, config.vocab_size)) + np.arange(T - 1)) % config.vocab_size
-            tree = TokenTree(tokens=np.concatenate(([s.committed[-1]], drafted)), parents=np.array(parents))
-            requests.append((s, tree, sampling, step))
-        return requests
+        return [(s, random_tree(s.committed[-1], args.tree, config.vocab_size, rng), sampling, step)
+                for s in sessions]
 
     samples: dict[str, list[float]] = defaultdict(list)
     results = []

@@ -156,7 +156,8 @@ def churn(srv: ServerProcess, n: int, concurrency: int, seed: int, warmup: int |
                         log(str(checkpoints[-1]))
     n = done
     elapsed = time.monotonic() - started
-    max_sessions, max_workers = srv.info().max_sessions, srv.info().max_streams + 8
+    info = srv.info()
+    max_sessions, max_workers = info.max_sessions, info.max_streams + 8
     after = settle(srv, baseline=baseline, max_sessions=max_sessions, max_workers=max_workers)
     return {"sessions": n, "concurrency": concurrency, "seed": seed, "seconds": round(elapsed, 1),
             "per_kind": counts, "baseline": baseline, "after": after, "max_sessions": max_sessions,

@@ -278,10 +278,10 @@ class Planner:
         count, mean = self.realized.get(rung, (0, 0.0))
         if count >= 3:
             return mean
-        a, a_sibling = typical or self._typical_acceptance()
+        a, a_sibling = typical or self.typical_acceptance()
         return tree_tokens(self.ladder[rung], a, a_sibling)
 
-    def _typical_acceptance(self) -> tuple[float, float]:
+    def typical_acceptance(self) -> tuple[float, float]:
         """Calibrated acceptance of a confident node (score 0.9) and of an unlikely one (0.1)."""
         a, a_sibling = self.acceptance(np.array([0.9, 0.1]))
         return float(a), float(a_sibling)
@@ -294,7 +294,7 @@ class Planner:
         acceptance; after 3 tries, only while exploring stays within EXPLORE_SHARE of the wall time,
         and, if still predicted at under half the best rate, only every 4th time."""
         if self._tokens_by_rung is None:
-            typical = self._typical_acceptance()
+            typical = self.typical_acceptance()
             self._tokens_by_rung = [self.expected_tokens(i, typical) for i in range(len(self.ladder))]
         rates = [tokens / self._seconds(i) for i, tokens in enumerate(self._tokens_by_rung)]
         return self._pick(rates, self._seconds)

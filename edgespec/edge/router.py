@@ -239,7 +239,7 @@ class Router:
         drafting_only: leave target-only out (to rank arms against each other); among: only these
         arms (e.g. those that can draft under the sampled rejection rule)."""
         planner = self.planner
-        a_sibling = float(planner.acceptance(np.array([0.1]))[0])
+        a_sibling = planner.typical_acceptance()[1]
         rng = self.rng if explore else None
         best: Choice | None = None
         for name, arm_state in self.arms.items():
@@ -389,7 +389,7 @@ class RoutedPlanner(Planner):
             self.last_choice = self.turn.rung
             return self.ladder[self.turn.rung]
         arm = self.router.arms[self.turn.arm]
-        a_sibling = float(self.acceptance(np.array([0.1]))[0])
+        a_sibling = self.typical_acceptance()[1]
 
         def seconds(rung: int, optimistic: bool = False) -> float:
             return self.router.step_seconds(arm, self.ladder[rung], self.verify_flat(optimistic))

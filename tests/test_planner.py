@@ -2,6 +2,7 @@
 and picks bigger trees when round trips are expensive, smaller ones when nodes are expensive."""
 import numpy as np
 
+from edgespec.edge.drafting import TreeShape
 from edgespec.edge.planner import EXPLORE_SHARE, Planner, StepObservation
 
 
@@ -235,3 +236,13 @@ def test_pruning_does_not_price_the_drafting_already_spent():
     p.draft_per_decode_s = 0.035
     p.prepared_share = 0.0
     assert p.prune_size(np.array([0.9, 0.8, 0.6, 0.4])) >= 3
+
+
+def test_a_ladder_of_one_shape_never_explores_past_its_end():
+    """A planner given one shape (e.g. target-only alone) keeps choosing it, exploration steps included."""
+    only = TreeShape.target_only()
+    p = Planner(ladder=(only,), last_choice=0)
+    for _ in range(3 * p.explore_every):
+        assert p.choose() == only
+        p.observe(StepObservation(nodes=0, draft_s=0.0, draft_decodes=0, network_s=0.05, bytes_up=48,
+                                  verify_s=0.08, queue_s=0.0, scores=np.zeros(0), accepted=np.zeros(0, bool)))

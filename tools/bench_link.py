@@ -20,7 +20,7 @@ The link is real TCP between two throw-away Linux network namespaces (tests/netl
 
 Modes, all greedy, the same prompts for every mode and condition:
 - `ar`: cloud-only autoregressive decoding, `TreeShape.target_only()`: one round trip per token;
-- `chain4`: chain speculation, `TreeShape.chain(4)`;
+- `chain4`: chain speculation, `TreeShape.chain(4)` (any `chainK`, K = 1..16, with --modes);
 - `adaptive`: `tree=None`, the default (cost-model planner + drafting the next tree while one is
   in flight). Each link condition gets its own planner (the session's planner is swapped per
   condition), so what it learned at one RTT does not leak into another;
@@ -59,6 +59,7 @@ import argparse
 import contextlib
 import json
 import queue
+import re
 import shlex
 import subprocess
 import sys
@@ -238,7 +239,8 @@ def make_sessions(draft: Path, target: Path, address: str, token: str, n_ctx: in
     from edgespec.edge.drafting import TreeShape
     from edgespec.edge.session import EdgeSession
 
-    shapes = {"ar": TreeShape.target_only(), "chain4": TreeShape.chain(4), "adaptive": None, "router": None}
+    shapes = {"ar": TreeShape.target_only(), "adaptive": None, "router": None}
+    shapes |= {mode: TreeShape.chain(int(mode[5:])) for mode in modes if mode.startswith("chain")}
     sessions = {}
     try:
         for mode in modes:
@@ -304,6 +306,9 @@ def run(args: argparse.Namespace) -> dict:
         from bench_pool import MULTI_TURN
         named += MULTI_TURN[:args.multi_turn]
     modes = tuple(args.modes.split(","))
+    unknown = [m for m in modes if m not in ALL_MODES and not re.fullmatch(r"chain([1-9]|1[0-6])", m)]
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {unknown}: use {', '.join(ALL_MODES)} or chainK (K = 1..16)")
     draft, target = modelstore.resolve(args.draft), modelstore.resolve(args.target)
     conds = [(r, m) for m in rates for r in rtts]
     cells = {(r, m, mode): Cell(r, m, mode) for (r, m) in conds for mode in modes}
@@ -539,7 +544,7 @@ def plot(res: dict, path: Path) -> None:
     for mbit in m["mbits"]:
         ls = "-" if mbit == max(m["mbits"]) else "--"
         for mode in m.get("modes", MODES):
-            color, marker = styles[mode]
+            color, marker = styles.get(mode, ("tab:purple", "v"))
             xs = [r for r in m["rtts_ms"] if by[(r, mbit, mode)]["steps"]]
             tok = [by[(r, mbit, mode)]["tok_s"] for r in xs]
             sp = [by[(r, mbit, mode)]["tok_s"] / by[(r, mbit, "ar")]["tok_s"] for r in xs]

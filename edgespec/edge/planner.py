@@ -305,7 +305,7 @@ class Planner:
         (the router's planner passes its arm's)."""
         best = int(np.argmax(rates))
         self.exploring = False
-        if self.steps > 0 and self.steps % self.explore_every == 0:
+        if len(self.ladder) > 1 and self.steps > 0 and self.steps % self.explore_every == 0:
             e = self.explore_every
             up = best == 0 or (self.steps % (2 * e) and best + 1 < len(self.ladder))  # alternate; turn at the ends
             n = best + 1 if up else best - 1

@@ -113,3 +113,77 @@ def test_engine_with_triton_kernels_equals_torch_engine():
     (_, a), (_, b) = out
     assert (a.path, a.next_token) == (b.path, b.next_token) and a.path
     assert np.allclose(a.margins, b.margins, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 64])
+def test_linear_rows_equals_f_linear(rows):
+    """The small-rows matmul against F.linear (float32: exact products in the interpreter): with a
+    bias, unmasked and ragged shapes, split K (summed by its own launch, or left as partials for
+    add_rmsnorm), and the SiLU*up input of w2. (bf16 is checked on the GPU by
+    tools/bench_gpu_verify.py's matmuls section: Triton 3.6's interpreter multiplies bf16 tiles in
+    tl.dot as raw 16-bit integers.)"""
+    import torch.nn.functional as F
+
+    from edgespec.verifier.torch import fused
+
+    g = torch.Generator().manual_seed(rows)
+    for n, k, cfg in [(48, 96, (16, 32, 1, 4, 2)),      # unmasked, no split
+                      (40, 100, (16, 32, 1, 4, 2)),     # ragged N and K
+                      (48, 96, (16, 32, 3, 4, 2)),      # K split in 3 whole tiles
+                      (40, 100, (32, 16, 3, 4, 2)),     # split with a ragged last slice
+                      (48, 96, None)]:                  # the default config
+        x = torch.randn(rows, k, generator=g)
+        w = torch.randn(n, k, generator=g) / k ** 0.5
+        b = torch.randn(n, generator=g)
+        ref = F.linear(x, w, b)
+        assert torch.allclose(fused.linear_rows(x, w, b, config=cfg), ref, atol=1e-5)
+        assert torch.allclose(fused.linear_rows(x, w, config=cfg), F.linear(x, w), atol=1e-5)
+        p = fused.linear_rows_partials(x, w, config=cfg)
+        assert p.dtype == torch.float32 and p.shape[1:] == (rows, n)
+        assert p.shape[0] == (1 if cfg is None or cfg[2] == 1 else 3)
+        assert torch.allclose(p.sum(0), F.linear(x, w), atol=1e-5)
+        gu = torch.randn(rows, 2 * k, generator=g)
+        assert torch.allclose(fused.linear_rows(gu, w, silu=True, config=cfg),
+                              fused.linear_rows_torch(gu, w, silu=True), atol=1e-5)
+        assert torch.allclose(fused.linear_rows_partials(gu, w, silu=True, config=cfg).sum(0),
+                              fused.linear_rows_partials_torch(gu, w, silu=True).sum(0), atol=1e-5)
+    # partials as add_rmsnorm's residual: the same as adding the matmul's output
+    x, r = torch.randn(rows, 64, generator=g), torch.randn(rows, 32, generator=g)
+    w, nw = torch.randn(64, 32, generator=g), torch.rand(64, generator=g) + 0.5
+    p = fused.linear_rows_partials(r, w, config=(16, 16, 2, 4, 2))
+    assert p.shape[0] == 2
+    y_ref, x_ref = fused.add_rmsnorm_torch(x.clone(), F.linear(r, w), nw, 1e-6)
+    y, x_new = fused.add_rmsnorm(x.clone(), p, nw, 1e-6)
+    assert torch.allclose(y, y_ref, atol=1e-5) and torch.allclose(x_new, x_ref, atol=1e-5)
+    y, x_new = fused.add_rmsnorm_torch(x.clone(), p, nw, 1e-6)
+    assert torch.allclose(y, y_ref, atol=1e-5) and torch.allclose(x_new, x_ref, atol=1e-5)
+
+
+def test_fused_forward_small_rows_matmul_equals_cublas_path(monkeypatch):
+    """The fused forward with linear_rows for the block matmuls equals the one with F.linear (tiny
+    float32 model, one tree step over a prefilled context, torch attention). The tiny shapes get
+    table entries (untuned shapes keep F.linear), one of them split for wo and w2's partials."""
+    from edgespec.verifier.torch import fused
+    from edgespec.verifier.torch.engine import Engine
+    from edgespec.verifier.torch.model import ModelConfig, TransformerLM
+
+    c = ModelConfig.tiny("qwen2")
+    qkv = (c.n_head + 2 * c.n_head_kv) * c.head_dim
+    table = {(qkv, c.d_model): [(64, (16, 32, 1, 4, 2))], (c.d_model, c.n_head * c.head_dim): [(64, (16, 16, 2, 4, 2))],
+             (2 * c.d_ff, c.d_model): [(64, (32, 32, 1, 4, 2))], (c.d_model, c.d_ff): [(64, (16, 32, 3, 4, 2))]}
+    monkeypatch.setattr(fused, "LINEAR_ROWS_TABLE", table)
+    assert all(fused.linear_rows_wins(5, n, k) for n, k in table) and not fused.linear_rows_wins(5, 2048, 1536)
+    model = TransformerLM.random(c, dtype=torch.float32, seed=5)
+    rng = np.random.default_rng(6)
+    prefix = rng.integers(0, 512, size=11).tolist()
+    tokens = rng.integers(0, 512, size=5).tolist()
+    parents = [-1, 0, 0, 1, 2]
+    out = []
+    for small in (0, 64):
+        engine = Engine(model, num_blocks=16, block_size=4, attention="torch", fused=True, small_rows_matmul=small)
+        assert model.small_rows_matmul == small
+        seq = engine.new_sequence()
+        engine.prefill(seq, prefix)
+        out.append(engine.logits(seq, tokens, parents))
+    model.fused_ops, model.small_rows_matmul = False, 0
+    assert torch.allclose(out[0], out[1], atol=1e-4), float((out[0] - out[1]).abs().max())

@@ -18,8 +18,15 @@ Sections (each prints a table; everything goes to --out as JSON):
    updated. `step_ms` is host wall time per call (what a request pays); `replay_ms` the graph alone
    (CUDA events). The same cells with HF transformers (Qwen2ForCausalLM, sdpa, DynamicCache:
    forward of T tokens + argmax to the host + crop back), measured in this run.
+   With --small-rows-matmul off,on the step cells run with cuBLAS and with fused.linear_rows for
+   the block matmuls (B*T <= 64), side by side.
 5. capacity: 1, 8, 32 concurrent sessions through the service's batch worker, trees of T nodes
    against T = 1 (cloud-only AR): requests/s, mean batch, latency (bench_capacity's docstring).
+6. matmuls: the four block matrices of the 1.5B shape (wqkv, wo, w13, w2) at 1/16/64 rows,
+   cuBLAS (F.linear) against fused.linear_rows in the form the forward uses it, each call in a CUDA
+   graph over rotating weight copies (none stays in L2), against the byte floor; bf16 error of
+   both against float32; 512 rows with cuBLAS only. --matmul-sweep times candidate block configs too
+   and (--matmul-pick) puts the fastest into fused.LINEAR_ROWS_TABLE for the step section.
 Medians over --iters after --warmup. Weights are random: timings only.
 """
 from __future__ import annotations
@@ -300,6 +307,120 @@ def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict,
     return rows
 
 
+# -- 6. small-rows matmuls --------------------------------------------------------------------
+MATMULS = {"wqkv": (2048, 1536, True), "wo": (1536, 1536, False), "w13": (17920, 1536, False),
+           "w2": (1536, 8960, False)}
+MATMUL_CANDIDATES = {   # (BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages)
+    "wqkv": [(16, 256, 1, 4, 4), (16, 256, 1, 4, 6), (16, 128, 1, 4, 8), (32, 256, 1, 4, 6)],
+    "wo": [(32, 128, 2, 4, 4), (32, 128, 2, 4, 6), (16, 128, 2, 4, 6), (32, 256, 2, 4, 3)],
+    "w13": [(32, 128, 1, 4, 4), (32, 128, 1, 4, 6), (32, 256, 1, 4, 6), (64, 128, 1, 4, 6)],
+    "w2": [(64, 128, 7, 4, 4), (64, 128, 7, 4, 6), (64, 128, 14, 4, 5), (128, 128, 14, 8, 5), (64, 256, 7, 4, 5)],
+}
+
+
+def graph_us(calls: list, iters: int) -> float:
+    """Microseconds per call: all `calls` captured back to back in one CUDA graph, replayed (on the
+    CPU, for a smoke test: one eager pass, host time)."""
+    for f in calls[:2]:
+        f()   # compile, cuBLAS handles
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        for f in calls:
+            f()
+        return (time.perf_counter() - t) * 1e6 / len(calls)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in calls:
+            f()
+    ms = cuda_ms(g.replay, 3, iters)
+    del g
+    return ms * 1000 / len(calls)
+
+
+def bench_matmuls(args, ceil: dict | None) -> dict:
+    """cuBLAS vs fused.linear_rows per block matrix and row count (module docstring, section 6).
+    The Triton form is what _forward_fused runs: wqkv with its bias; wo and w2 leaving float32
+    split-K partials for add_rmsnorm (no reduce launch); w2 taking gate/up and applying SiLU*up as it
+    loads (its cuBLAS column is F.linear alone; cublas_silu_us adds the silu_mul launch it needs)."""
+    import torch.nn.functional as F
+
+    from edgespec.verifier.torch import fused
+
+    bw = ceil["copy_bytes_per_s"] if ceil else 4.2e12
+    rows_list = [int(r) for r in args.matmul_rows.split(",")]
+    out = {"rows": [], "sweep": [], "bytes_per_s_for_floor": bw}
+    dev = args.device
+    g = torch.Generator(device=dev).manual_seed(11)
+    for name, (n, k, has_bias) in MATMULS.items():
+        wbytes = n * k * 2
+        copies = max(2, min(64, -(-256 * 2 ** 20 // wbytes)))
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) / math.sqrt(k) for _ in range(copies)]
+        b = torch.randn(n, device=dev, dtype=torch.bfloat16, generator=g) * 0.02 if has_bias else None
+        silu = name == "w2"
+        for rows in rows_list:
+            x = torch.randn(rows, 2 * k if silu else k, device=dev, dtype=torch.bfloat16, generator=g)
+            xin = fused.silu_mul(x) if silu else x
+            nbytes = wbytes + rows * k * 2 + rows * n * 2 + (n * 2 if has_bias else 0)
+            row = {"matrix": name, "N": n, "K": k, "rows": rows, "weight_copies": copies,
+                   "floor_us": nbytes / bw * 1e6}
+            row["cublas_us"] = graph_us([lambda w=w: F.linear(xin, w, b) for w in ws], args.iters)
+            if silu:
+                row["cublas_silu_us"] = graph_us([lambda w=w: F.linear(fused.silu_mul(x), w, b) for w in ws], args.iters)
+            ref = F.linear(xin.float(), ws[0].float(), None if b is None else b.float())
+            row["cublas_max_abs_err"] = float((F.linear(xin, ws[0], b).float() - ref).abs().max())
+            if rows <= fused.LINEAR_ROWS_MAX:
+                cfgs = [None] + (MATMUL_CANDIDATES[name] if args.matmul_sweep else [])
+                for cfg in cfgs:
+                    try:
+                        if name in ("wo", "w2"):
+                            calls = [lambda w=w: fused.linear_rows_partials(x, w, silu=silu, config=cfg) for w in ws]
+                        else:
+                            calls = [lambda w=w: fused.linear_rows(x, w, b, config=cfg) for w in ws]
+                        us = graph_us(calls, args.iters)
+                        y = fused.linear_rows(x, ws[0], b, silu=silu, config=cfg)
+                        err = float((y.float() - ref).abs().max())
+                    except Exception as exc:  # noqa: BLE001 - a config that does not compile: report, go on
+                        out["sweep"].append({"matrix": name, "rows": rows, "config": cfg,
+                                             "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                        continue
+                    if cfg is None:
+                        row["config"] = fused.linear_rows_config(rows, n, k)
+                        row["triton_us"], row["triton_max_abs_err"] = us, err
+                        row["triton_GBps"] = nbytes / (us / 1e6) / 1e9
+                    else:
+                        out["sweep"].append({"matrix": name, "rows": rows, "config": cfg, "us": us, "max_abs_err": err})
+            row["cublas_GBps"] = nbytes / (row["cublas_us"] / 1e6) / 1e9
+            out["rows"].append(row)
+            log("[matmul]", json.dumps({k2: (round(v2, 3) if isinstance(v2, float) else v2) for k2, v2 in row.items()}))
+        del ws
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if args.matmul_sweep:   # per row bound: the fastest config, or None where cuBLAS is faster
+        picks = {}
+        for name, (n, k, _) in MATMULS.items():
+            got = [r for r in out["sweep"] if r["matrix"] == name and "us" in r]
+            base = {r["rows"]: r.get("cublas_silu_us", r["cublas_us"]) for r in out["rows"] if r["matrix"] == name}
+            for bound, rs in ((16, (1, 16)), (64, (64,))):
+                rs = [x for x in rs if x in rows_list]
+                score = {}
+                for r in got:
+                    if r["rows"] in rs:
+                        score.setdefault(tuple(r["config"]), []).append(r["us"])
+                full = {cfg: sum(v) for cfg, v in score.items() if len(v) == len(rs)}
+                if full and rs:
+                    best = min(full, key=full.get)
+                    picks.setdefault((n, k), []).append((bound, best if full[best] < sum(base[x] for x in rs) else None))
+        out["picked_table"] = {f"{n}x{k}": v for (n, k), v in picks.items()}
+        log("[matmul] fastest configs per row bound (None: cuBLAS):", json.dumps(out["picked_table"]))
+        for r in out["sweep"]:
+            log("[matmul sweep]", json.dumps({k2: (round(v2, 3) if isinstance(v2, float) else v2) for k2, v2 in r.items()}))
+        if args.matmul_pick:
+            fused.LINEAR_ROWS_TABLE.update(picks)
+    for r in out["rows"]:   # whether _forward_fused uses linear_rows here (with the table the steps run)
+        r["in_forward"] = fused.linear_rows_wins(r["rows"], r["N"], r["K"])
+    return out
+
+
 # -- 4. verify step ---------------------------------------------------------------------------
 def fill(engine: Engine, n: int, context: int) -> list:
     c = engine.model.config
@@ -314,6 +435,11 @@ def fill(engine: Engine, n: int, context: int) -> list:
     return seqs
 
 
+def small_rows_values(spec: str) -> list[int | None]:
+    """--small-rows-matmul: "off,on" -> [0, 64]; "" -> [None] (the engine's default)."""
+    return [{"off": 0, "on": 64}[v] if v in ("off", "on") else int(v) for v in spec.split(",")] if spec else [None]
+
+
 def bench_steps(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dict]:
     device = torch.device(args.device)
     batches = [int(b) for b in args.batches.split(",")]
@@ -322,8 +448,9 @@ def bench_steps(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dic
     rows = []
     attentions = args.attention.split(",")
     per_seq = -(-(args.context + max(trees)) // 16) + 2
-    for variant in attentions:
-        name = variant
+    small_values = small_rows_values(args.small_rows_matmul)
+    for variant, small in [(v, s) for v in attentions for s in small_values]:
+        name = variant if len(small_values) == 1 else f"{variant}+srm{small}"
         variant, _, tiles = variant.partition("#")    # triton#BMxBN: pinned attention tiles
         variant, _, policy = variant.partition("@")   # triton@P:K: TARGET_PROGRAMS P, MIN_SPLIT_KEYS K
         attention, _, unfused = variant.partition("-")
@@ -334,7 +461,7 @@ def bench_steps(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dic
             knobs["BLOCK_M"], knobs["BLOCK_N"] = (int(v) for v in tiles.split("x"))
         engine = Engine(model, num_blocks=max(batches) * per_seq + 8, block_size=16, attention=attention,
                         cuda_graphs=device.type == "cuda" and not args.no_graph,
-                        fused=False if unfused == "unfused" else None)
+                        fused=False if unfused == "unfused" else None, small_rows_matmul=small)
         try:
             with attention_knobs(**knobs):
                 _steps(engine, args, config, batches, trees, name, ceil, rows)
@@ -563,8 +690,9 @@ def profile_steps(args, config: ModelConfig, dtype) -> list[dict]:
 
     device = torch.device(args.device)
     model = TransformerLM.random(config, dtype=dtype, device=device, max_positions=args.context + 256)
+    small = small_rows_values(args.small_rows_matmul)[-1]
     engine = Engine(model, num_blocks=8 * (-(-(args.context + 128) // 16) + 2) + 8, block_size=16,
-                    attention="triton", cuda_graphs=True)
+                    attention="triton", cuda_graphs=True, small_rows_matmul=small)
     rng = np.random.default_rng(0)
     rows = []
     for B, T in [tuple(int(x) for x in cell.split("x")) for cell in args.profile_cells.split(",")]:
@@ -592,7 +720,7 @@ def profile_steps(args, config: ModelConfig, dtype) -> list[dict]:
                 k[1] += 1 / n
         total_us = sum(v[0] for v in kernels.values())
         top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
-        row = {"batch": B, "tree": T, "replay_ms": replay, "kernel_sum_ms": total_us / 1000,
+        row = {"batch": B, "tree": T, "small_rows_matmul": small, "replay_ms": replay, "kernel_sum_ms": total_us / 1000,
                "kernels_per_step": round(sum(v[1] for v in kernels.values()), 1),
                "top": [{"name": k, "us_per_step": round(v[0], 2), "launches_per_step": round(v[1], 1)} for k, v in top]}
         rows.append(row)
@@ -652,7 +780,14 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--skip", default="",
-                   help="comma-separated sections to skip: ceilings,checks,attention,step,hf,capacity")
+                   help="comma-separated sections to skip: ceilings,checks,attention,matmuls,step,hf,capacity")
+    p.add_argument("--small-rows-matmul", default="",
+                   help="step cells with these Engine small_rows_matmul values, comma-separated: off (0), on (64) "
+                        "or a row bound; empty: the engine's default. --profile-cells profiles the last one")
+    p.add_argument("--matmul-rows", default="1,16,64,512")
+    p.add_argument("--matmul-sweep", action="store_true", help="time MATMUL_CANDIDATES block configs too")
+    p.add_argument("--matmul-pick", action="store_true",
+                   help="with --matmul-sweep: the fastest configs replace fused.LINEAR_ROWS_TABLE's for the step")
     p.add_argument("--attention-shapes", default="8x4096,32x2048,8x32768")
     p.add_argument("--attention-configs", default="0x0w4s2,64x64w4s2,128x64w8s2,128x32w8s3,64x32w4s3",
                    help="Triton tile configurations to time: BMxBNwWARPSsSTAGES, comma-separated")
@@ -710,6 +845,8 @@ def main() -> int:
     if cuda and ceil and "attention" not in skip:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.attention_shapes.split(",")]
         result["attention"] = bench_attention(shapes, 64, args.warmup, args.iters, ceil, args.attention_configs)
+    if cuda and not args.small and "matmuls" not in skip:
+        result["matmuls"] = bench_matmuls(args, ceil)
     config = ModelConfig.tiny("qwen2") if args.small else ModelConfig.qwen2_1_5b()
     dtype = torch.bfloat16 if cuda else torch.float32
     if cuda and args.profile_cells:
@@ -742,6 +879,11 @@ def main() -> int:
 def summary(result: dict) -> str:
     lines = []
     hf = {(r["batch"], r["tree"]): r["hf_ms"] for r in result.get("hf", [])}
+    for m in result.get("matmuls", {}).get("rows", []):
+        lines.append(f"matmul {m['matrix']} rows {m['rows']}: cuBLAS {m['cublas_us']:.2f} us, linear_rows "
+                     f"{m.get('triton_us', math.nan):.2f} us {m.get('config', '')}, floor {m['floor_us']:.2f} us, "
+                     f"err {m['cublas_max_abs_err']:.3g} / {m.get('triton_max_abs_err', math.nan):.3g}, "
+                     f"in forward: {m.get('in_forward')}")
     if result.get("step"):
         lines.append("| attention | B | T | step ms | graph replay ms | floor ms | step/floor | HF ms | step/HF |")
         lines.append("|---|---|---|---|---|---|---|---|---|")

@@ -180,9 +180,11 @@ def slot_of(tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.T
 
 
 class Engine:
+    SMALL_ROWS_MATMUL = 0  # default small_rows_matmul on CUDA (off until measured to win)
+
     def __init__(self, model: TransformerLM, *, num_blocks: int, block_size: int = 16, prefill_chunk: int = 256,
                  cuda_graphs: bool | None = None, attention: str = "auto", fused: bool | None = None,
-                 compact_threshold: float = 0.5, compact_reserve: int = 16, compact_check_every: int = 16) -> None:
+                 small_rows_matmul: int | None = None, compact_threshold: float = 0.5, compact_reserve: int = 16, compact_check_every: int = 16) -> None:
         """compact_threshold: compact the cache between steps when its fragmentation F is above this
         (1.0: never), looking at F every `compact_check_every` calls of between_steps (F is a scan of
         the pool: milliseconds at 10^5 blocks, docs/BENCHMARKS.md); compact_reserve: staging blocks for
@@ -190,7 +192,9 @@ class Engine:
         kernel; CUDA, or Triton's CPU interpreter in tests) or "auto" (triton on CUDA when it
         imports, else torch). cuda_graphs: capture each step bucket as a CUDA graph (default: on
         CUDA). fused: fused.py's Triton kernels for norms, RoPE + cache writes and SiLU (default:
-        on CUDA when triton imports). The float32 CPU path keeps plain torch ops: the reference."""
+        on CUDA when triton imports). small_rows_matmul: with fused, steps of B*T <= this many
+        rows use fused.linear_rows instead of cuBLAS for the block matmuls (0: never; default
+        SMALL_ROWS_MATMUL). The float32 CPU path keeps plain torch ops: the reference."""
         c = model.config
         self.model = model
         self.cache = PagedKVCache(c.n_layer, c.n_head_kv, c.head_dim, num_blocks=num_blocks,
@@ -215,6 +219,10 @@ class Engine:
             fused = is_cuda and self._triton_available()
         self.fused = bool(fused)
         model.fused_ops = self.fused
+        if small_rows_matmul is None:
+            small_rows_matmul = self.SMALL_ROWS_MATMUL if is_cuda else 0
+        self.small_rows_matmul = small_rows_matmul if self.fused else 0
+        model.small_rows_matmul = self.small_rows_matmul
         self._static: dict[tuple, _Static] = {}
         self._last: _Static | None = None
         self._pool = None

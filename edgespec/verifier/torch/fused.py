@@ -7,6 +7,14 @@ Each function here has a torch reference with the same signature (`*_torch`), us
 the float32 path must stay the exact reference) and by the tests, which run the Triton versions in
 Triton's CPU interpreter against them. All arithmetic is float32; outputs are rounded once to the
 model dtype.
+
+`linear_rows` / `linear_rows_partials`: a skinny matmul for few rows (B*T <= 64), where cuBLAS picks
+split-K kernels that take 3-5x the time the weight bytes need. Each program owns BLOCK_N output
+columns and streams its weight rows once; where N / BLOCK_N gives too few programs to fill the GPU,
+K is split across programs too and the float32 partials [SPLIT, rows, N] are summed by whoever
+reads them next: add_rmsnorm (wo and w2 feed the residual add), so a split costs no extra launch.
+Block sizes come from a static table per weight shape (LINEAR_ROWS_TABLE), not triton.autotune
+(autotuning inside a CUDA-graph capture would run the candidates into the graph).
 """
 from __future__ import annotations
 
@@ -23,8 +31,12 @@ except ImportError:  # pragma: no cover - CPU installs without triton use the to
 # -- torch references -----------------------------------------------------------------------------
 def add_rmsnorm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x + residual) * weight, x + residual); x [rows, d] is updated in place."""
+    """(norm(x + residual) * weight, x + residual); x [rows, d] is updated in place. residual may be
+    float32 matmul partials [S, rows, d] (linear_rows_partials): summed and rounded to x's dtype
+    first, i.e. exactly the matmul's output."""
     if residual is not None:
+        if residual.ndim == 3:
+            residual = residual.sum(0).to(x.dtype)
         x += residual
     h = x.float()
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype), x
@@ -52,6 +64,20 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate) * up).to(gate_up.dtype)
 
 
+def linear_rows_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                      silu: bool = False) -> torch.Tensor:
+    """F.linear(x, weight, bias), x [rows, K]; with silu, x is a gate/up tensor [rows, 2K] and the
+    input is silu_mul(x)."""
+    return F.linear(silu_mul_torch(x) if silu else x, weight, bias)
+
+
+def linear_rows_partials_torch(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = False) -> torch.Tensor:
+    """float32 partial sums [S, rows, N] of x @ weight.T (S = 1 here) whose sum over S is the product
+    before rounding; add_rmsnorm takes them as its residual."""
+    x = silu_mul_torch(x) if silu else x
+    return (x.float() @ weight.float().t())[None]
+
+
 def argmax_top2_torch(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [rows, V] -> (argmax [rows] int64, the first index of the maximum; top-2 margin [rows]:
     the largest minus the second largest value, 0 when the maximum occurs twice)."""
@@ -62,13 +88,23 @@ def argmax_top2_torch(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 # -- Triton kernels -------------------------------------------------------------------------------
 if triton is not None:
     @triton.jit
-    def _add_rmsnorm_kernel(X, R, W, Y, eps, N, HAS_R: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rmsnorm_kernel(X, R, W, Y, eps, N, rows, HAS_R: tl.constexpr, R_PARTS: tl.constexpr,
+                            BLOCK: tl.constexpr):
+        """R_PARTS > 0: R is float32 partials [R_PARTS, rows, N], summed and rounded to X's dtype
+        (the matmul output they stand for) before the add."""
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < N
         x = tl.load(X + row * N + cols, mask=ok, other=0.0)
         if HAS_R:
-            x = (x.to(tl.float32) + tl.load(R + row * N + cols, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+            if R_PARTS > 0:
+                r = tl.zeros([BLOCK], tl.float32)
+                for p in tl.static_range(R_PARTS):
+                    r += tl.load(R + (p * rows + row) * N + cols, mask=ok, other=0.0)
+                r = r.to(x.dtype).to(tl.float32)
+            else:
+                r = tl.load(R + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) + r).to(x.dtype)
             tl.store(X + row * N + cols, x, mask=ok)
         h = x.to(tl.float32)
         var = tl.sum(h * h, 0) / N
@@ -111,6 +147,66 @@ if triton is not None:
         y = g / (1.0 + tl.exp(-g)) * u
         tl.store(O + row * F_ + cols, y.to(O.dtype.element_ty), mask=ok)
 
+    @triton.jit
+    def _linear_rows_kernel(X, W, Bias, O, rows, N, K, k_split, x_stride, K_TILES: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PARTIALS: tl.constexpr,
+                            EVEN: tl.constexpr, IEEE: tl.constexpr, ROWS_P: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out^T [BLOCK_N, rows] = W[BLOCK_N, k-slice] @ x^T[k-slice, rows] for output columns
+        pid0 * BLOCK_N.. and the K slice [pid1 * k_split, +k_split). Each weight element is read
+        once by one program; x (rows padded to ROWS_P >= 16 for tl.dot) is small and comes from L2.
+        SILU: X is gate/up [rows, 2K]; the input is silu(gate) * up, rounded to W's dtype (what
+        silu_mul writes). PARTIALS: write float32 [SPLIT, rows, N]; else add the bias, round, write
+        O [rows, N]. EVEN: N % BLOCK_N == 0 and every slice is whole BLOCK_K tiles inside K."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(1)
+        r = tl.arange(0, ROWS_P)
+        kk = tl.arange(0, BLOCK_K)
+        n_ok = n < N
+        r_ok = r < rows
+        k_lo = split * k_split
+        w_ptr = W + n[:, None] * K + kk[None, :]
+        x_ptr = X + r[None, :] * x_stride + kk[:, None]
+        acc = tl.zeros((BLOCK_N, ROWS_P), tl.float32)
+        for it in range(0, K_TILES):  # k_split // BLOCK_K
+            k0 = k_lo + it * BLOCK_K
+            if EVEN:
+                w = tl.load(w_ptr + k0)
+                xm = r_ok[None, :]
+            else:
+                k_ok = (k0 + kk < K) & (k0 + kk < k_lo + k_split)
+                w = tl.load(w_ptr + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                xm = r_ok[None, :] & k_ok[:, None]
+            if SILU:
+                g = tl.load(x_ptr + k0, mask=xm, other=0.0).to(tl.float32)
+                u = tl.load(x_ptr + K + k0, mask=xm, other=0.0).to(tl.float32)
+                xt = (g / (1.0 + tl.exp(-g)) * u).to(w.dtype)
+            else:
+                xt = tl.load(x_ptr + k0, mask=xm, other=0.0)
+            if IEEE:
+                acc = tl.dot(w, xt, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, xt, acc)
+        ok = n_ok[:, None] & r_ok[None, :]
+        if PARTIALS:
+            tl.store(O + (split * rows + r[None, :]) * N + n[:, None], acc, mask=ok)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(O + r[None, :] * N + n[:, None], acc.to(O.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _sum_partials_kernel(P, Bias, O, rows, N, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < N
+        acc = tl.zeros([BLOCK], tl.float32)
+        for p in tl.static_range(PARTS):
+            acc += tl.load(P + (p * rows + row) * N + cols, mask=ok, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(Bias + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(O + row * N + cols, acc.to(O.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _top2_chunks_kernel(X, Val, Idx, Second, V, CHUNKS, BLOCK: tl.constexpr):
@@ -165,9 +261,100 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     rows, n = x.shape
     y = torch.empty_like(x)
-    _add_rmsnorm_kernel[(rows,)](x, x if residual is None else residual, weight, y, eps, n,
-                                 HAS_R=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=8)
+    parts = residual.shape[0] if residual is not None and residual.ndim == 3 else 0
+    _add_rmsnorm_kernel[(rows,)](x, x if residual is None else residual, weight, y, eps, n, rows,
+                                 HAS_R=residual is not None, R_PARTS=parts, BLOCK=triton.next_power_of_2(n),
+                                 num_warps=8)
     return y, x
+
+
+# -- the small-rows matmul ------------------------------------------------------------------------
+LINEAR_ROWS_MAX = 64
+# (N, K) -> [(max rows, (BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages) or None), ...]: the first row
+# bound that holds; None: cuBLAS is faster there, the forward keeps F.linear. The four Qwen2.5-1.5B
+# matrices: wqkv [2048 x 1536] (+ bias), wo [1536 x 1536], w13 [17920 x 1536], w2 [1536 x 8960]
+# (w2 taking gate/up, SiLU*up applied as it loads). SPLIT only where N / BLOCK_N alone leaves SMs
+# idle (132 on an H200); K / SPLIT in whole BLOCK_K tiles keeps the loop unmasked. Measured with
+# tools/bench_gpu_verify.py --matmul-sweep (docs/BENCHMARKS.md).
+LINEAR_ROWS_TABLE: dict[tuple[int, int], list[tuple[int, tuple[int, int, int, int, int] | None]]] = {
+    (2048, 1536): [(16, (16, 256, 1, 4, 4)), (64, None)],
+    (1536, 1536): [(16, (32, 128, 2, 4, 4)), (64, None)],
+    (17920, 1536): [(16, (32, 128, 1, 4, 4)), (64, None)],
+    (1536, 8960): [(16, None), (64, None)],
+}
+
+
+def _table_entry(rows: int, n: int, k: int) -> tuple[bool, tuple[int, int, int, int, int] | None]:
+    for bound, cfg in LINEAR_ROWS_TABLE.get((n, k), ()):
+        if rows <= bound:
+            return True, cfg
+    return False, None
+
+
+def linear_rows_wins(rows: int, n: int, k: int) -> bool:
+    """Whether the forward should use linear_rows for an [n x k] weight at `rows` rows: only where
+    LINEAR_ROWS_TABLE has a measured config (untuned shapes keep cuBLAS)."""
+    return rows <= LINEAR_ROWS_MAX and _table_entry(rows, n, k)[1] is not None
+
+
+def linear_rows_config(rows: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages) for an [n x k] weight at `rows` rows: the
+    table's entry, else about two programs per SM of a 132-SM GPU from 16- or 32-column blocks, K
+    split into whole tiles as far as needed."""
+    cfg = _table_entry(rows, n, k)[1]
+    if cfg is not None:
+        return cfg
+    block_n = 32 if n >= 32 * 132 // 2 else 16
+    block_k = min(128, max(16, triton.next_power_of_2(k)))
+    tiles = -(-k // block_k)
+    split = max(1, min(tiles // 4, -(-264 // -(-n // block_n))))
+    return block_n, block_k, split, 4, 3
+
+
+def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
+                        partials: bool, cfg: tuple[int, int, int, int, int] | None) -> torch.Tensor:
+    rows = x.shape[0]
+    n, k = weight.shape
+    if not 0 < rows <= LINEAR_ROWS_MAX:
+        raise ValueError(f"linear_rows takes 1..{LINEAR_ROWS_MAX} rows, got {rows}")
+    if x.shape[1] != (2 * k if silu else k) or not x.is_contiguous() or not weight.is_contiguous() \
+            or n * k >= 2 ** 31:
+        raise ValueError(f"linear_rows: x {tuple(x.shape)} against weight {tuple(weight.shape)} (contiguous)")
+    block_n, block_k, split, warps, stages = cfg or linear_rows_config(rows, n, k)
+    if not partials and split > 1:
+        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+        p = _linear_rows_launch(x, weight, None, silu, True, (block_n, block_k, split, warps, stages))
+        blk = min(1024, triton.next_power_of_2(n))
+        _sum_partials_kernel[(rows, triton.cdiv(n, blk))](p, p if bias is None else bias, out, rows, n, PARTS=split,
+                                                         HAS_BIAS=bias is not None, BLOCK=blk, num_warps=4)
+        return out
+    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_split)
+    even = n % block_n == 0 and k % k_split == 0
+    if partials:
+        out = torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    _linear_rows_kernel[(triton.cdiv(n, block_n), split)](
+        x, weight, x if bias is None else bias, out, rows, n, k, k_split, x.shape[1], K_TILES=k_split // block_k,
+        HAS_BIAS=bias is not None, SILU=silu, PARTIALS=partials, EVEN=even, IEEE=weight.dtype == torch.float32,
+        ROWS_P=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages)
+    return out
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu: bool = False,
+                config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [rows <= 64, K] (float32 accumulation, output in x's dtype);
+    silu: x is gate/up [rows, 2K] and the input is silu_mul(x). A split-K config adds one small
+    launch that sums the partials; linear_rows_partials leaves that to the reader."""
+    return _linear_rows_launch(x, weight, bias, silu, False, config)
+
+
+def linear_rows_partials(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = False,
+                         config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """float32 partials [SPLIT, rows, N] of x @ weight.T (no bias) for add_rmsnorm's residual."""
+    return _linear_rows_launch(x, weight, None, silu, True, config)
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,

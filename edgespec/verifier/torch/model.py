@@ -176,6 +176,8 @@ class TransformerLM(nn.Module):
         self.lm_head = None if config.tied_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.rope = Rotary(config.head_dim, config.rope_theta, max_positions)
         self.fused_ops = False  # fused.py's Triton kernels (CUDA); the engine turns them on
+        # with fused_ops: fused.linear_rows for the four block matmuls when B*T <= this (0: cuBLAS always)
+        self.small_rows_matmul = 0
         self.requires_grad_(False)
 
     # -- construction -------------------------------------------------------------------------
@@ -235,25 +237,37 @@ class TransformerLM(nn.Module):
     def _forward_fused(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                        cache: torch.Tensor, attend: Attention, logits: bool) -> torch.Tensor | None:
         """The same forward with fused.py's Triton kernels: ten launches per layer (the residual
-        add is folded into the next RMSNorm)."""
+        add is folded into the next RMSNorm). With small_rows_matmul >= B*T, the matmuls for which
+        fused.LINEAR_ROWS_TABLE has a config (measured faster than cuBLAS there) are
+        fused.linear_rows: the split-K partials of wo and w2 are summed by the add_rmsnorm that
+        reads them, and w2's version applies SiLU*up as it loads gate/up (no silu_mul launch)."""
         from edgespec.verifier.torch import fused
 
         c = self.config
         B, T = tokens.shape
         rows = B * T
+        small = rows <= min(self.small_rows_matmul, fused.LINEAR_ROWS_MAX)
+        blk = self.layers[0]
+        use = {name: small and fused.linear_rows_wins(rows, *getattr(blk, name).weight.shape)
+               for name in ("wqkv", "wo", "w13", "w2")}   # per matrix: where the table says it beats cuBLAS
         x = self.embed(tokens).view(rows, c.d_model)
         cos, sin = cos.reshape(rows, -1), sin.reshape(rows, -1)
         h, x = fused.add_rmsnorm(x, None, self.layers[0].attn_norm.weight, c.norm_eps)
         for i, layer in enumerate(self.layers):
-            qkv = layer.wqkv(h)
+            qkv = fused.linear_rows(h, layer.wqkv.weight, layer.wqkv.bias) if use["wqkv"] else layer.wqkv(h)
             q = fused.rope_store(qkv, cos, sin, cache[i], slots, c.n_head, c.n_head_kv)
-            att = attend(q.view(B, T, c.n_head, c.head_dim), cache[i])
-            h, x = fused.add_rmsnorm(x, layer.wo(att.reshape(rows, -1)), layer.ffn_norm.weight, c.norm_eps)
-            down = layer.w2(fused.silu_mul(layer.w13(h)))
+            att = attend(q.view(B, T, c.n_head, c.head_dim), cache[i]).reshape(rows, -1)
+            out = fused.linear_rows_partials(att, layer.wo.weight) if use["wo"] else layer.wo(att)
+            h, x = fused.add_rmsnorm(x, out, layer.ffn_norm.weight, c.norm_eps)   # partials: summed here
+            gate_up = fused.linear_rows(h, layer.w13.weight) if use["w13"] else layer.w13(h)
+            if use["w2"]:  # float32 partials [SPLIT, rows, d], SiLU*up applied as w2 loads gate/up
+                down = fused.linear_rows_partials(gate_up, layer.w2.weight, silu=True)
+            else:
+                down = layer.w2(fused.silu_mul(gate_up))
             if i + 1 < len(self.layers):
                 h, x = fused.add_rmsnorm(x, down, self.layers[i + 1].attn_norm.weight, c.norm_eps)
             else:
-                x = x + down
+                x = x + (down.sum(0).to(x.dtype) if down.ndim == 3 else down)
         if not logits:
             return None
         return self.head(x.view(B, T, c.d_model))

@@ -162,15 +162,17 @@ class TritonPagedAttention:
     BLOCK_N = 0
     NUM_WARPS = 4
     NUM_STAGES = 2
-    TARGET_PROGRAMS = 264   # key splits aim at about this many programs (2 waves of the H200's 132 SMs) ...
+    TARGET_PROGRAMS = 384   # key splits aim at about this many programs (~3 waves of the H200's 132 SMs) ...
     MIN_SPLIT_KEYS = 128    # ... but give each split at least this many keys (fewer partials to write and merge)
 
     def tile_config(self, rows: int) -> tuple[int, int]:
-        """(BLOCK_M, BLOCK_N): tall tiles for tall query groups (fewer re-reads of K/V), short ones
-        for a handful of rows (T = 1: G rows). On the H200 (docs/BENCHMARKS.md, issue 9 section) this
-        default was within 2-8 % of the best of five fixed configurations on three shapes."""
-        bm = self.BLOCK_M or min(128, max(16, triton.next_power_of_2(rows)))
-        bn = self.BLOCK_N or (32 if bm >= 128 else 64)
+        """(BLOCK_M, BLOCK_N): 64-row tiles for tall query groups, short ones for a handful of rows
+        (T = 1: G rows). A sweep of 88 configurations at the Qwen2.5-1.5B shape on the H200
+        (docs/BENCHMARKS.md, 2026-12-01) found 64 x 32 tiles with ~4 programs per (sequence, KV head,
+        row tile) fastest for 8 x 64 and 1 x 64 tree tokens: 0.73x and 0.80x the time of the 128 x 32
+        tiles used before (more programs to fill the SMs, less register pressure per program)."""
+        bm = self.BLOCK_M or min(64, max(16, triton.next_power_of_2(rows)))
+        bn = self.BLOCK_N or (32 if bm >= 64 else 64)
         return bm, bn
 
     def __init__(self, tables: torch.Tensor, ctx_lens: torch.Tensor, anc: torch.Tensor, block_size: int,

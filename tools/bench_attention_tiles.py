@@ -1,0 +1,113 @@
+"""Sweep the Triton tree-attention tiles at the target model's own shape, as a verify step uses them.
+
+bench_gpu_verify.py's `attention` section times the kernel on the BASELINES.md shapes (64/8 heads,
+long contexts); this one times it where the step spends it: the Qwen2.5-1.5B heads (12/2, d 128),
+context 1024, B sessions x T tree tokens, 28 calls (one per layer) captured in one CUDA graph. For
+each cell it reports the kernel's default (TritonPagedAttention.tile_config/splits) and every
+(BLOCK_M, BLOCK_N, warps, stages, splits) in the grid, fastest first, with the largest difference
+from the default's output. CUDA only.
+
+    PYTHONPATH=. python3 tools/bench_attention_tiles.py --cells 8x64,1x64,1x1 --out sweep.json
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu_verify import attention_knobs, random_parents  # noqa: E402
+
+from edgespec.verifier.torch.tree_attention import ancestor_mask  # noqa: E402
+from edgespec.verifier.torch.triton_attention import TritonPagedAttention  # noqa: E402
+
+LAYERS = 28
+
+
+def per_step_us(fn, reps: int = 30) -> float:
+    """Microseconds for LAYERS back-to-back calls replayed as one CUDA graph (best of 3 x reps)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # compile and warm outside the capture
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(LAYERS):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / reps)
+    return best * 1000
+
+
+def sweep(B: int, T: int, context: int, heads: tuple[int, int], rng: np.random.Generator) -> dict:
+    hq, hkv = heads
+    D, bs = 128, 16
+    blocks = -(-(context + T) // bs) + 4
+    cache = torch.randn(2, (B * blocks + 1) * bs, hkv, D, device="cuda", dtype=torch.bfloat16)
+    tables = torch.from_numpy(rng.permutation(np.arange(1, B * blocks + 1)).reshape(B, blocks)).cuda()
+    ctx = torch.full((B,), context, device="cuda")
+    anc = torch.stack([torch.from_numpy(ancestor_mask(random_parents(T, rng))) for _ in range(B)]).cuda()
+    q = torch.randn(B, T, hq, D, device="cuda", dtype=torch.bfloat16)
+    rows = T * hq // hkv
+    default = TritonPagedAttention(tables, ctx, anc, bs, hq // hkv)
+    bm0, bn0 = default.tile_config(rows)
+    cell = {"batch": B, "tree": T, "context": context,
+            "default": [bm0, bn0, default.NUM_WARPS, default.NUM_STAGES, default.splits(B, hkv, -(-rows // bm0))],
+            "default_us": per_step_us(lambda: default(q, cache))}
+    reference = default(q, cache).float()
+    tiles = [16] if rows <= 16 else ([32, 64] if rows <= 96 else [64, 128])
+    results = []
+    for bm, bn, warps, stages, splits in itertools.product(tiles, [32, 64, 128], [4, 8], [2, 3], [1, 2, 4, 8]):
+        if bm * bn >= 128 * 128 and warps == 4:
+            continue
+        try:
+            with attention_knobs(BLOCK_M=bm, BLOCK_N=bn, NUM_WARPS=warps, NUM_STAGES=stages):
+                att = TritonPagedAttention(tables, ctx, anc, bs, hq // hkv, nsplit=splits)
+                us = per_step_us(lambda: att(q, cache))
+                diff = (att(q, cache).float() - reference).abs().max().item()
+        except Exception as exc:  # noqa: BLE001 - a configuration that does not compile: note it, go on
+            results.append({"config": [bm, bn, warps, stages, splits], "error": f"{type(exc).__name__}"})
+            continue
+        results.append({"config": [bm, bn, warps, stages, splits], "us": us, "max_diff": diff})
+    cell["results"] = sorted((r for r in results if "us" in r), key=lambda r: r["us"]) + \
+        [r for r in results if "us" not in r]
+    return cell
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cells", default="8x64,1x64,1x1", help="BxT, comma-separated")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--heads", default="12/2", help="query/KV heads (Qwen2.5-1.5B: 12/2)")
+    ap.add_argument("--out", default="attention_tiles.json")
+    args = ap.parse_args()
+    heads = tuple(int(h) for h in args.heads.split("/"))
+    rng = np.random.default_rng(3)
+    cells = []
+    for spec in args.cells.split(","):
+        B, T = (int(v) for v in spec.split("x"))
+        cell = sweep(B, T, args.context, heads, rng)
+        cells.append(cell)
+        best = cell["results"][0] if cell["results"] else None
+        print(json.dumps({"batch": B, "tree": T, "default": cell["default"], "default_us": round(cell["default_us"], 1),
+                          "best": best}), flush=True)
+    Path(args.out).write_text(json.dumps({"heads": args.heads, "layers": LAYERS, "cells": cells}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

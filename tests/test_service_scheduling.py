@@ -63,11 +63,16 @@ def alone(model: TransformerLM, prompt: list[int], steps: int) -> list[int]:
     return out
 
 
-def test_long_prefill_takes_turns_with_other_sessions_verifies():
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed-forward", "turns"])
+def test_long_prefill_takes_turns_with_other_sessions_verifies(mixed):
+    """mixed: the Sync's chunks ride in the stepping session's verify forwards (the torch backend's
+    default); turns: the Sync holds the compute worker and yields it between chunks (backends that
+    cannot mix, e.g. llama.cpp)."""
     model = TransformerLM.random(ModelConfig.tiny("qwen2"), dtype=torch.float32, max_positions=N_CTX, seed=11)
     rng = np.random.default_rng(2)
     short, long = rng.integers(0, 512, size=12).tolist(), rng.integers(0, 512, size=1000).tolist()
     b = backend(model)
+    b.mixed_prefill = mixed
     registry = SessionRegistry(b, max_sessions=3, max_batch=8)
     metrics = VerifierMetrics(registry)
     stepper, syncer = registry.open_stream(), registry.open_stream()
@@ -95,7 +100,10 @@ def test_long_prefill_takes_turns_with_other_sessions_verifies():
 
     during = [t for t, _ in done if started < t < ended]
     assert len(during) >= 3, f"only {len(during)} verifies finished during a {len(long) // 16}-chunk prefill"
-    assert registry.stats.prefill_turns >= len(during) - 1
+    if mixed:
+        assert registry.stats.prefill_turns == 0 and registry.stats.prefill_chunks_mixed >= len(during) - 1
+    else:
+        assert registry.stats.prefill_turns >= len(during) - 1 and registry.stats.prefill_chunks_mixed == 0
     assert queue_s > 0 and compute_s > 0
     tokens = [t for _, got in done for t in got]
     assert tokens == alone(model, short, len(done)), "turns changed the stepping session's tokens"
@@ -105,12 +113,13 @@ def test_long_prefill_takes_turns_with_other_sessions_verifies():
     text = generate_latest(metrics.registry).decode()
     for name in ("edgespec_verifier_batch_size_count", "edgespec_verifier_step_seconds_count",
                  "edgespec_verifier_kv_used_blocks", "edgespec_verifier_kv_fragmentation",
-                 "edgespec_verifier_prefill_turns_total"):
+                 "edgespec_verifier_prefill_turns_total", "edgespec_verifier_prefill_chunks_mixed_total"):
         assert name in text, name
     value = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
     assert value["edgespec_verifier_batch_size_count"] == registry.batcher.stats.batches
     assert value["edgespec_verifier_kv_used_blocks"] == b.engine.cache.pool.stats().used > 0
     assert value["edgespec_verifier_prefill_turns_total"] == registry.stats.prefill_turns
+    assert value["edgespec_verifier_prefill_chunks_mixed_total"] == registry.stats.prefill_chunks_mixed
     registry.close()
     assert b.engine.cache.pool.stats().used == 0
 

@@ -131,7 +131,9 @@ def test_concurrent_sessions_are_batched_and_exact(smol_path):
         stats = server.registry.batcher.stats
         print(f"batches {stats.batches}, jobs {stats.jobs}, sizes {dict(stats.sizes)}")
         assert got == alone
-        assert stats.jobs == 6 * len(prompts) and stats.largest > 1
+        # every Verify and every Sync (their prefill rides in the batches too) went through the worker
+        assert stats.jobs == 6 * len(prompts) + len(prompts) and stats.largest > 1
+        assert server.registry.stats.syncs == len(prompts)
     finally:
         server.stop()
         backend.close()

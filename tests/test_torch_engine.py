@@ -205,6 +205,53 @@ def test_batched_verify_equals_one_at_a_time(model):
         assert [(d.path, d.next_token) for d in a] == [(d.path, d.next_token) for d in b]
 
 
+def test_prefill_chunks_in_verify_steps_equal_a_separate_prefill(model):
+    """Chunked prefill in the same forward as other sequences' trees (TreeStep.prefill_chunk): the
+    trees' decisions equal those of steps without the riders, and the prefilled sequence's cache
+    gives exactly the logits (and the same next decisions) a plain eager prefill gives."""
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, VOCAB, size=n).tolist() for n in (9, 21)]
+    long = rng.integers(0, VOCAB, size=45).tolist()
+    trees = [(rng.integers(0, VOCAB, size=n).tolist(), random_parents(n, rng)) for n in (6, 13)]
+    probe = rng.integers(0, VOCAB, size=5).tolist()
+    runs = {}
+    for mixed in (True, False):
+        engine = new_engine(model, blocks=160)
+        seqs = []
+        for p in prompts:
+            s = engine.new_sequence()
+            engine.prefill(s, p)
+            seqs.append(s)
+        late = engine.new_sequence()
+        if not mixed:
+            engine.prefill(late, long)
+        decisions, done = [], 0
+        for step in range(4):
+            steps = [TreeStep(s, [step] + t[1:], parents) for s, (t, parents) in zip(seqs, trees)]
+            if mixed and done < len(long):
+                chunk = long[done:done + 16]                       # 16, 16, 13: a ragged last chunk
+                steps.append(TreeStep.prefill_chunk(late, chunk))
+                done += len(chunk)
+            got = engine.verify(steps)
+            decisions.append([(d.path, d.next_token) for d in got[:len(seqs)]])
+            if mixed and len(got) > len(seqs):
+                assert got[-1].path == list(range(1, len(steps[-1].tokens)))   # every prefill node accepted
+        assert late.length == len(long) and len(late.blocks) == -(-len(long) // 4)
+        runs[mixed] = (decisions, engine.logits(late, probe, random_parents(5, np.random.default_rng(0))).numpy(),
+                       [(d.path, d.next_token) for d in engine.verify([TreeStep(late, probe, list(range(-1, 4)))])])
+    assert runs[True][0] == runs[False][0]
+    np.testing.assert_array_equal(runs[True][1], runs[False][1])
+    assert runs[True][2] == runs[False][2]
+
+
+def test_prefill_chunk_is_greedy_and_device_decided(model):
+    engine = new_engine(model)
+    seq = engine.new_sequence()
+    bad = TreeStep(seq, [1, 2, 3], [-1, 0, 1], SamplingParams(temperature=0.7), prefill=True)
+    with pytest.raises(ValueError, match="prefill chunk"):
+        engine.verify([bad])
+
+
 def test_device_sampling_equals_numpy_reference_on_random_logits():
     """sample_choice (float64 on the CPU) picks the same tokens as common.sampling for many rows."""
     g = torch.Generator().manual_seed(1)

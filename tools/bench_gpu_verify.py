@@ -27,6 +27,8 @@ Sections (each prints a table; everything goes to --out as JSON):
    graph over rotating weight copies (none stays in L2), against the byte floor; bf16 error of
    both against float32; 512 rows with cuBLAS only. --matmul-sweep times candidate block configs too
    and (--matmul-pick) puts the fastest into fused.LINEAR_ROWS_TABLE for the step section.
+7. mixed: a prompt chunk of T tokens riding in a step of B trees of T nodes (what the service does
+   with a Sync that arrives while trees are verified) against the step and a separate chunk.
 Medians over --iters after --warmup. Weights are random: timings only.
 """
 from __future__ import annotations
@@ -506,6 +508,55 @@ def _steps(engine: Engine, args, config: ModelConfig, batches, trees, attention:
             s.close()
 
 
+def bench_mixed(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dict]:
+    """Prefill riding in a verify step (TreeStep.prefill_chunk, what the service does with a Sync that
+    arrives while trees are verified) against the two forwards it replaces: B trees of T nodes at
+    the context, and a separate eager chunk of T prompt tokens for one more session."""
+    device = torch.device(args.device)
+    model = TransformerLM.random(config, dtype=dtype, device=device, max_positions=args.context + 256)
+    rng = np.random.default_rng(1)
+    rows = []
+    T = 64 if not args.small else 4
+    for B in [int(b) for b in args.mixed_batches.split(",")]:
+        per_seq = -(-(args.context + 2 * T) // 16) + 2
+        engine = Engine(model, num_blocks=(B + 1) * per_seq + 8, block_size=16,
+                        cuda_graphs=device.type == "cuda" and not args.no_graph)
+        seqs = fill(engine, B + 1, args.context)
+        trees = [TreeStep(s, rng.integers(0, config.vocab_size, size=T).tolist(), random_parents(T, rng))
+                 for s in seqs[:B]]
+        late = seqs[B]
+        chunk = rng.integers(0, config.vocab_size, size=T).tolist()
+
+        def rewind() -> None:
+            for s in seqs:
+                s.truncate(args.context)
+
+        def verify_only() -> None:
+            engine.verify(trees)
+            rewind()
+
+        def prefill_only() -> None:
+            engine.append(late, chunk)
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            rewind()
+
+        def mixed() -> None:
+            engine.verify(trees + [TreeStep.prefill_chunk(late, chunk)])
+            rewind()
+
+        row = {"trees": B, "tree": T, "chunk": T, "context": args.context,
+               "bucket_alone": bucket(B), "bucket_mixed": bucket(B + 1)}
+        for name, fn in (("verify_ms", verify_only), ("prefill_ms", prefill_only), ("mixed_ms", mixed)):
+            row[name] = wall_ms(fn, args.warmup, args.iters)
+        row["separate_ms"] = row["verify_ms"] + row["prefill_ms"]
+        row["mixed_over_separate"] = round(row["mixed_ms"] / row["separate_ms"], 3)
+        rows.append(row)
+        log("[mixed]", json.dumps(row))
+        for s in seqs:
+            s.close()
+    return rows
+
+
 class RecordedTrees:
     """Trees a real drafter made (tools/bench_tau.py --record-trees: the 0.5B draft + lookup pool on
     real prompts), replayed by one capacity client: at context length `at`, while the session's
@@ -780,7 +831,7 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--skip", default="",
-                   help="comma-separated sections to skip: ceilings,checks,attention,matmuls,step,hf,capacity")
+                   help="comma-separated sections to skip: ceilings,checks,attention,matmuls,step,mixed,hf,capacity")
     p.add_argument("--small-rows-matmul", default="",
                    help="step cells with these Engine small_rows_matmul values, comma-separated: off (0), on (64) "
                         "or a row bound; empty: the engine's default. --profile-cells profiles the last one")
@@ -791,6 +842,7 @@ def main() -> int:
     p.add_argument("--attention-shapes", default="8x4096,32x2048,8x32768")
     p.add_argument("--attention-configs", default="0x0w4s2,64x64w4s2,128x64w8s2,128x32w8s3,64x32w4s3",
                    help="Triton tile configurations to time: BMxBNwWARPSsSTAGES, comma-separated")
+    p.add_argument("--mixed-batches", default="1,7,8", help="trees per step in the mixed prefill section")
     p.add_argument("--capacity-sessions", default="1,8,32")
     p.add_argument("--capacity-trees", default="1,16,32")
     p.add_argument("--capacity-s", type=float, default=4.0, help="measured seconds per capacity cell")
@@ -853,6 +905,8 @@ def main() -> int:
         result["profile"] = profile_steps(args, config, dtype)
     if "step" not in skip:
         result["step"] = bench_steps(args, config, dtype, ceil)
+    if "mixed" not in skip:
+        result["mixed"] = bench_mixed(args, config, dtype, ceil)
     if cuda and not args.small and "hf" not in skip:
         try:
             result["hf"] = bench_hf(args, config)

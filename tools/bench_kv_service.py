@@ -3,10 +3,11 @@
 1. compaction: a paged cache shaped like Qwen2.5-1.5B's KV (28 layers, 2 KV heads, d 128, blocks
    of 16, float32), filled by sessions of random lengths, every other one closed (holes); the time
    of one compaction vs blocks moved, and of the per-step fragmentation check on large pools.
-2. prefill turns: one session steps (greedy root-only verifies through the service's registry and
-   batch worker) while another session syncs a long prompt; the stepping session's verify latency
-   for the verifies that overlapped the sync, and the sync's own time, for several prefill chunk sizes (chunk = prompt: one
-   piece, i.e. no turns).
+2. prefill during steps: one session steps (greedy root-only verifies through the service's registry
+   and batch worker) while another session syncs a long prompt; the stepping session's verify
+   latency for the verifies that overlapped the sync, and the sync's own time, for several prefill
+   chunk sizes (chunk = prompt: one piece, i.e. no turns), with the chunks taking turns with the
+   verifies ("turns") or riding in the verify forwards ("mixed"; chunks of min(64, chunk) then).
 
     .venv/bin/python tools/bench_kv_service.py [--json docs/bench/kv_service.json]
 """
@@ -78,9 +79,10 @@ def small_model() -> TransformerLM:
     return TransformerLM.random(config, dtype=torch.float32, max_positions=4096, seed=1)
 
 
-def bench_turns(model: TransformerLM, prompt_len: int, chunk: int, seed: int) -> dict:
+def bench_turns(model: TransformerLM, prompt_len: int, chunk: int, seed: int, mixed: bool) -> dict:
     backend = TorchBackend.from_model(model, n_ctx=4096, max_nodes=8, max_depth=4, max_sessions=3, block_size=16,
                                       prefill_chunk=chunk, attention="torch")
+    backend.mixed_prefill = mixed
     registry = SessionRegistry(backend, max_sessions=3, max_batch=8)
     rng = np.random.default_rng(seed)
     stepper, syncer = registry.open_stream(), registry.open_stream()
@@ -108,7 +110,8 @@ def bench_turns(model: TransformerLM, prompt_len: int, chunk: int, seed: int) ->
     thread.join()
     during = [f - s for s, f in done if s < ended and f > started]     # overlapped the sync
     registry.close()
-    return {"chunk": chunk, "prompt": prompt_len, "sync_s": round(ended - started, 3),
+    return {"prefill": "mixed" if mixed else "turns", "chunk": chunk, "prompt": prompt_len,
+            "mixed_chunks": registry.stats.prefill_chunks_mixed, "sync_s": round(ended - started, 3),
             "sync_compute_s": round(compute_s, 3), "sync_queue_s": round(queue_s, 3),
             "turns": registry.stats.prefill_turns, "verifies_overlapping_sync": len(during),
             "verify_ms_quiet_p50": round(statistics.median(quiet) * 1e3, 2) if quiet else None,
@@ -122,6 +125,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--chunks", default="64,256,1024,2048")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prefill-modes", default="turns,mixed",
+                    help="turns: the sync yields the compute worker between chunks; mixed: its chunks ride "
+                         "in the verify forwards (the torch backend's default)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out = {"machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread(s)", "date": time.strftime(
@@ -136,9 +142,10 @@ def main() -> None:
         print("F check", r, flush=True)
     model = small_model()
     for chunk in (int(c) for c in args.chunks.split(",")):
-        r = bench_turns(model, args.prompt, chunk, seed=0)
-        out["turns"].append(r)
-        print("turns", r, flush=True)
+        for mode in args.prefill_modes.split(","):
+            r = bench_turns(model, args.prompt, chunk, seed=0, mixed=mode == "mixed")
+            out["turns"].append(r)
+            print("prefill during steps", r, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

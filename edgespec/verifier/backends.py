@@ -91,6 +91,9 @@ class KVUsage:
 
 class Backend(abc.ABC):
     info: ModelInfo
+    mixed_prefill: bool = False
+    """True when `verify_many(requests, prefills=...)` takes sessions' `begin_sync` work: the service
+    then prefills Syncs inside verify batches (chunked prefill in the same forward)."""
 
     @abc.abstractmethod
     def open_session(self) -> BackendSession: ...

@@ -68,7 +68,9 @@ class _SessionFigures:
                 ("prefix_tokens_reused", "context tokens not prefilled thanks to the prefix cache",
                  s.prefix_tokens_reused),
                 ("prefill_turns", "times a chunked Sync let queued requests run between its chunks",
-                 s.prefill_turns)):
+                 s.prefill_turns),
+                ("prefill_chunks_mixed", "Sync chunks prefilled in the same forward as verify trees",
+                 s.prefill_chunks_mixed)):
             yield CounterMetricFamily(f"edgespec_verifier_{name}", doc, value=value)
 
 

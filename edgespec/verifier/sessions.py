@@ -24,7 +24,9 @@
   other session's step by one chunk instead of the whole prompt.
 - Batching: a backend with `verify_many` (the torch backend) gets a batch worker
   (verifier/torch/batching.py): Verify requests queue, and whenever the compute worker is free one
-  thread takes all queued ones (up to `max_batch`) and verifies them in one forward.
+  thread takes all queued ones (up to `max_batch`) and verifies them in one forward. Where the
+  backend has `mixed_prefill` (the torch backend), Syncs queue there too and prefill in the
+  same forwards, one chunk per batch (`verify_many(..., prefills=...)`), instead of taking turns.
 """
 from __future__ import annotations
 
@@ -130,6 +132,17 @@ class RegistryStats:
     prefix_hits: int = 0          # Syncs that adopted a retained slot
     prefix_tokens_reused: int = 0  # context tokens those Syncs did not have to prefill
     prefill_turns: int = 0        # times a chunked Sync handed the compute worker to queued requests
+    prefill_chunks_mixed: int = 0  # Sync chunks that ran in the same forward as verify trees
+
+
+@dataclass
+class _SyncJob:
+    """A Sync queued for the batch worker: its prefill rides in verify batches until done."""
+
+    session: ServerSession
+    tokens: list[int]
+    work: object = None              # the backend's PrefillWork once started
+    compute_s: float = 0.0           # time of the batches it ran in
 
 
 @dataclass(frozen=True)
@@ -288,6 +301,8 @@ class SessionRegistry:
         by chunk with turns for queued requests in between. Returns (queue, compute) seconds: the
         waits for the compute worker, before and between chunks, and the rest. With deadline_ms,
         DeadlineExceededError if the wait before the first chunk is longer (nothing changed then)."""
+        if self.batcher is not None and self.mixed_prefill:
+            return self._sync_batched(session, tokens, received, deadline_ms)
         with self.compute(session, received, deadline_ms) as waited:
             kv = self.ensure_slot(session, tokens)
             started = time.monotonic()
@@ -303,6 +318,29 @@ class SessionRegistry:
             session.synced = True
             self.stats.syncs += 1
             return waited + turns, time.monotonic() - started - turns
+
+    @property
+    def mixed_prefill(self) -> bool:
+        """Whether Syncs prefill inside verify batches (the backend's sessions can begin_sync)."""
+        return bool(getattr(self.backend, "mixed_prefill", False))
+
+    def _sync_batched(self, session: ServerSession, tokens: list[int], received: float,
+                      deadline_ms: int) -> tuple[float, float]:
+        """sync through the batch worker: the prefill rides in verify batches, one chunk per batch."""
+        with self._lock:
+            session.in_flight += 1
+        try:
+            deadline = None if deadline_ms <= 0 else received + deadline_ms / 1000
+            sync = _SyncJob(session, tokens)
+            job = self.batcher.submit(sync, received, deadline)
+        finally:
+            session.last_used = time.monotonic()
+            with self._lock:
+                session.in_flight -= 1
+        if job.error is not None:
+            raise job.error
+        total = time.monotonic() - received
+        return total - sync.compute_s, sync.compute_s
 
     # -- batched verification ---------------------------------------------------------------
     def verify_batched(self, session: ServerSession, received: float, deadline_ms: int, tree, sampling,  # noqa: ANN001
@@ -323,9 +361,14 @@ class SessionRegistry:
         return job.result
 
     def _run_verify_batch(self, jobs: list[Job]) -> None:
-        """Inside the compute worker: check each request, then one backend.verify_many call."""
-        run, requests = [], []
+        """Inside the compute worker: check each request, then one backend.verify_many call (with
+        one chunk of each queued Sync riding in it)."""
+        run, requests, syncs = [], [], []
         for job in jobs:
+            if isinstance(job.payload, _SyncJob):
+                if self._start_sync(job):
+                    syncs.append(job)
+                continue
             session, tree, sampling, step, context_length = job.payload
             if session.kv is None:
                 job.result = VerifyOutcome(resync=(session.lost_reason or Reason.UNKNOWN_CONTEXT,
@@ -341,11 +384,16 @@ class SessionRegistry:
                 continue
             run.append(job)
             requests.append((session.kv, tree, sampling, step))
-        if not requests:
+        if not requests and not syncs:
             return
         started = time.monotonic()
-        results = self.backend.verify_many(requests)
-        computed = time.monotonic() - started
+        try:
+            results = self.backend.verify_many(requests, prefills=[job.payload.work for job in syncs]) if syncs \
+                else self.backend.verify_many(requests)
+        finally:
+            computed = time.monotonic() - started
+            for job in syncs:
+                self._sync_step_done(job, computed)
         for job, result in zip(run, results):
             if isinstance(result, BaseException):
                 self.invalidate(job.payload[0])
@@ -354,6 +402,37 @@ class SessionRegistry:
                 self.stats.verifies += 1
                 job.result = VerifyOutcome(result=result, queue_s=job.queue_s, compute_s=computed,
                                            batch_size=len(run))
+
+    def _start_sync(self, job: Job) -> bool:
+        """A Sync job's first batch: take a KV slot and begin the prefill. False when it failed."""
+        sync: _SyncJob = job.payload
+        if sync.work is not None:
+            return True
+        try:
+            kv = self.ensure_slot(sync.session, sync.tokens)
+            sync.work = kv.begin_sync(sync.tokens)
+        except BaseException as exc:  # noqa: BLE001 - that Sync alone fails
+            self.invalidate(sync.session)
+            job.error = exc
+            return False
+        return True
+
+    def _sync_step_done(self, job: Job, seconds: float) -> None:
+        sync: _SyncJob = job.payload
+        work = sync.work
+        if getattr(work, "ran", True):
+            sync.compute_s += seconds
+        if work.error is not None:
+            self.invalidate(sync.session)  # a half-synced KV must never be used
+            job.error = work.error
+        elif work.finished:
+            sync.session.synced = True
+            self.stats.syncs += 1
+            job.result = True
+        else:
+            job.pending = True
+        if getattr(work, "rode", False):
+            self.stats.prefill_chunks_mixed += 1
 
     # -- KV slots (call only while holding the compute worker) --------------------------------
     def ensure_slot(self, session: ServerSession, context: list[int] | None = None) -> BackendSession:

@@ -28,7 +28,7 @@ import importlib.util
 import os
 import threading
 import time
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -52,9 +52,13 @@ from edgespec.verifier.backends import (
 )
 from edgespec.verifier.torch import gguf_weights
 from edgespec.verifier.torch.block_pool import OutOfBlocksError
-from edgespec.verifier.torch.engine import Decision, Engine, TreeStep, decided_on_device
+from edgespec.verifier.torch.engine import Decision, Engine, TreeStep, bucket, decided_on_device
 from edgespec.verifier.torch.model import TransformerLM
 
+# Tokens of a sync's chunk riding in a verify step: min(this, prefill_chunk), or the trees' bucket when
+# larger. Small because the step pads every row to the same length: a longer chunk would pad every
+# tree of the batch to it (a ragged row layout would lift this).
+MIXED_CHUNK = 64
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -76,6 +80,17 @@ class TorchSession(BackendSession):
             pass
 
     def sync_chunks(self, tokens: list[int]) -> Iterator[int]:
+        work = self.begin_sync(tokens)
+        while not work.finished:
+            work.run_chunk()
+            if work.finished:
+                self.engine.between_steps()
+            yield work.committed_so_far
+
+    def begin_sync(self, tokens: list[int]) -> "PrefillWork":
+        """Start making `tokens` the committed context: check them, reuse the longest cached prefix
+        (this session's own, or full blocks of another live session's), and return the prefill
+        still to do. Until it finishes the context is in doubt (committed is empty)."""
         b = self.backend
         check_context(tokens, b.info.vocab_size, b.info.n_ctx, b.info.max_depth)
         target = list(tokens[:-1])
@@ -86,19 +101,13 @@ class TorchSession(BackendSession):
                 n = common_prefix_length(other.cached_tokens, target) // self.engine.cache.block_size
                 if n * self.engine.cache.block_size > max(shared, own):
                     donor, shared = other, n * self.engine.cache.block_size
-        self.committed = []  # in doubt until the prefill below has finished
+        self.committed = []  # in doubt until the prefill has finished
         if donor is not None:
             self.seq.truncate(0)
             self.seq.share_prefix(donor.seq, shared)
         else:
             self.seq.truncate(own)
-        start = self.seq.length
-        for done in self.engine.prefill_chunks(self.seq, target[start:]):
-            if start + done < len(target):
-                yield start + done
-        self.committed = list(tokens)
-        self.engine.between_steps()
-        yield len(tokens)
+        return PrefillWork(self, list(tokens))
 
     def verify(self, tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult:
         [result] = self.backend.verify_many([(self, tree, sampling, step)])
@@ -131,8 +140,52 @@ class TorchSession(BackendSession):
         self.backend._sessions.discard(self)
 
 
+class PrefillWork:
+    """A sync in progress: the committed context's K/V still to compute (all tokens but the last,
+    which is the root of the next tree). Advanced one chunk at a time, either alone (run_chunk:
+    an eager forward without logits) or as a chain riding in a verify step (TorchBackend.verify_many
+    with prefills=...); `finished` commits the context."""
+
+    def __init__(self, session: TorchSession, tokens: list[int]) -> None:
+        self.session = session
+        self.tokens = tokens
+        self.error: BaseException | None = None
+        self.ran = False     # a chunk of it ran in the last verify_many call (for the service's figures)
+        self.rode = False    # ... inside a verify step
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - 1 - self.session.seq.length
+
+    @property
+    def finished(self) -> bool:
+        return self.error is None and self.remaining <= 0 and self.session.committed is self.tokens
+
+    @property
+    def committed_so_far(self) -> int:
+        return len(self.tokens) if self.finished else self.session.seq.length
+
+    def next_chunk(self, n: int) -> list[int]:
+        start = self.session.seq.length
+        return self.tokens[start:start + min(n, self.remaining)]
+
+    def advanced(self) -> None:
+        """After a chunk's forward: commit the context once every token's K/V is in place."""
+        if self.remaining <= 0:
+            self.session.committed = self.tokens
+
+    def run_chunk(self) -> None:
+        """One standalone chunk of `prefill_chunk` tokens (eager, no logits)."""
+        engine = self.session.engine
+        if self.remaining > 0:
+            engine.append(self.session.seq, self.next_chunk(engine.prefill_chunk))
+        self.advanced()
+
+
 class TorchBackend(Backend):
     """One TransformerLM and one paged KV cache, sized for `max_sessions` full contexts, shared by all sessions."""
+
+    mixed_prefill = True
 
     def __init__(self, model_path: str | os.PathLike, *, device: str = "cpu", dtype: str | None = None,
                  n_ctx: int = 4096, max_nodes: int = 128, max_depth: int = 32, max_k: int = 64,
@@ -231,13 +284,17 @@ class TorchBackend(Backend):
                 self._grammar_vocab = self._vocab_model.grammar_vocab()
             return self._grammar_vocab
 
-    def verify_many(self, requests: list[tuple[TorchSession, TokenTree, SamplingParams, int]]
-                    ) -> list[VerifyResult | BaseException]:
-        """Verify several sessions' trees in one forward (the service's batching worker calls this).
+    def verify_many(self, requests: list[tuple[TorchSession, TokenTree, SamplingParams, int]],
+                    prefills: Sequence[PrefillWork] = ()) -> list[VerifyResult | BaseException]:
+        """Verify several sessions' trees in one forward (the service's batching worker calls this),
+        and advance syncs in `prefills` by one chunk each: in the same forward as a chain of up to
+        max(min(MIXED_CHUNK, prefill_chunk), the trees' bucket) tokens (as many as fit the rows the
+        batch bucket pads to, and at least one; the rest wait for a later batch), or, when there
+        is no tree to verify, alone (`prefill_chunk` tokens, no logits).
 
         A request that fails its checks gets its exception back and the others still run; if the
         forward itself fails, every request in it gets that exception (their sessions are then in
-        doubt, as after any failed verify)."""
+        doubt, as after any failed verify). A prefill that fails gets it as `work.error`."""
         results: list[VerifyResult | BaseException | None] = [None] * len(requests)
         steps, index = [], []
         for i, (session, tree, sampling, step) in enumerate(requests):
@@ -258,20 +315,57 @@ class TorchBackend(Backend):
             kept_steps.append(step)
             kept_index.append(i)
         steps, index = kept_steps, kept_index
-        if steps:
-            started = time.perf_counter()
-            try:
-                decisions = self.engine.verify(steps)
-            except Exception as exc:  # noqa: BLE001
-                for i in index:
-                    results[i] = exc
-                return results  # type: ignore[return-value]
-            elapsed = time.perf_counter() - started
-            for i, decision in zip(index, decisions):
-                session, tree, _, _ = requests[i]
-                results[i] = session._commit(tree, decision, elapsed)
+        if not steps:
+            for work in prefills:
+                work.rode, work.ran = False, True
+                try:
+                    work.run_chunk()
+                except Exception as exc:  # noqa: BLE001 - that sync alone fails
+                    work.error = exc
+            self.engine.between_steps()
+            return results  # type: ignore[return-value]
+        chunk = max(min(MIXED_CHUNK, self.engine.prefill_chunk), bucket(max(len(s.tokens) for s in steps)))
+        # Chunks fill the rows the step pads to anyway (its batch bucket), and at least one rides.
+        riders = self._riders(prefills, chunk, limit=max(1, bucket(len(steps)) - len(steps)))
+        started = time.perf_counter()
+        try:
+            decisions = self.engine.verify(steps + [step for _, step in riders])
+        except Exception as exc:  # noqa: BLE001
+            for i in index:
+                results[i] = exc
+            for work, _ in riders:
+                work.error = exc
+            return results  # type: ignore[return-value]
+        elapsed = time.perf_counter() - started
+        for i, decision in zip(index, decisions):
+            session, tree, _, _ = requests[i]
+            results[i] = session._commit(tree, decision, elapsed)
+        for work, _ in riders:
+            work.advanced()
         self.engine.between_steps()
         return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _riders(prefills: Sequence[PrefillWork], chunk: int, limit: int) -> list[tuple[PrefillWork, TreeStep]]:
+        """Up to `limit` unfinished syncs' next chunks as prefill rows of the verify step (blocks
+        reserved); the others wait for a later batch."""
+        riders = []
+        for work in prefills:
+            work.rode = work.ran = False
+            if work.remaining <= 0:
+                work.advanced()
+                continue
+            if len(riders) == limit:
+                break
+            step = TreeStep.prefill_chunk(work.session.seq, work.next_chunk(chunk))
+            try:
+                step.seq.reserve(step.seq.length + len(step.tokens))
+            except OutOfBlocksError as exc:
+                work.error = exc
+                continue
+            riders.append((work, step))
+            work.rode = work.ran = True
+        return riders
 
     def kv_usage(self) -> KVUsage:
         pool, stats = self.engine.cache.pool.stats(), self.engine.stats

@@ -5,7 +5,9 @@ so 32 sessions cost about one batched step instead of 32 serial ones.
     worker = BatchWorker(run_batch, max_batch=32, lock=registry.compute_lock)
     result = worker.submit(payload, received=time.monotonic(), deadline=...)   # blocks; raises on error
 
-`run_batch(jobs)` sets `job.result` or `job.error` for each job. The lock, when given, is the
+`run_batch(jobs)` sets `job.result` or `job.error` for each job, or `job.pending` for a job that
+needs more batches (a sync prefilling chunk by chunk): it goes back to the head of the queue and
+rides in the next batch too, so a long prompt shares forwards with other sessions' steps. The lock, when given, is the
 service's FIFO compute lock: syncs (prefills) and batches take turns in arrival order. A job whose
 deadline passed while it was queued gets `expired(job)` as its error and is not run. Each job
 records its queue time and the size of the batch it ran in (reported to the edge and in metrics);
@@ -30,6 +32,8 @@ class Job:
     error: BaseException | None = None
     queue_s: float = 0.0
     batch_size: int = 0
+    pending: bool = False                 # set by run_batch: not finished, run it in the next batch too
+    started: bool = False
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -98,13 +102,16 @@ class BatchWorker:
                 now = time.monotonic()
                 ready = []
                 for job in jobs:
-                    if job.deadline is not None and now > job.deadline:
+                    job.pending = False
+                    if not job.started and job.deadline is not None and now > job.deadline:
                         job.error = self.expired(job)
                         self.stats.expired += 1
                     else:
                         ready.append(job)
                 for job in ready:
-                    job.queue_s = now - job.received
+                    if not job.started:
+                        job.queue_s = now - job.received
+                        job.started = True
                     job.batch_size = len(ready)
                 if ready:
                     self.stats.batches += 1
@@ -120,10 +127,15 @@ class BatchWorker:
                     if self.on_batch is not None:
                         self.on_batch(len(ready), time.monotonic() - now)
             finally:
+                again = [job for job in jobs if job.pending and job.error is None]
+                if again:
+                    with self._cond:
+                        self._queue.extendleft(reversed(again))   # at the head, in their order
                 if self.lock is not None:
                     self.lock.release()
                 for job in jobs:
-                    job.done.set()
+                    if not (job.pending and job.error is None):
+                        job.done.set()
 
     def close(self) -> None:
         with self._cond:

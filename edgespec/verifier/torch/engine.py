@@ -6,6 +6,7 @@ trees per forward, with acceptance decided on the device and the step replayed a
     engine.prefill(seq, prompt[:-1])                       # K/V of committed tokens (eager, chunked)
     [d] = engine.verify([TreeStep(seq, tokens, parents, sampling, step)])
     d.path, d.next_token, d.margins                         # seq now holds the root + accepted path
+    engine.verify([TreeStep(seq_a, ...), TreeStep.prefill_chunk(seq_b, chunk)])   # prefill in a verify step
 
 One step, for B sequences with trees of up to T nodes (both rounded up to a bucket: powers of two):
 1. host: reserve blocks for each tree (slots ctx_len + i), pack tokens, parents, block tables and
@@ -20,6 +21,8 @@ One step, for B sequences with trees of up to T nodes (both rounded up to a buck
    margins, and the compaction: the accepted nodes' K/V rows move to slots ctx_len + depth;
 3. host: one small copy back ([B, 2 + 2T] floats: next token, path length, path, margins), the
    sequences' lengths advance and unneeded reserved blocks go back to the pool.
+A chunk of a session's prompt can ride in the same step (TreeStep.prefill_chunk): a chain whose
+nodes are all accepted, so verify trees and prefill of many sessions share one forward.
 Only the accepted tokens and margins cross to the host; the logits stay on the device, except for
 steps under the rejection rule (q on the wire), which are decided on the host from the logits rows
 with common/acceptance.py and compacted by a separate eager call.
@@ -79,6 +82,13 @@ class TreeStep:
     host_rule: Callable[[np.ndarray, Callable[[int], np.ndarray]], acceptance.Acceptance] | None = None
     """Decide on the host instead (the rejection rule): (argmax per node, float32 logits row of a
     node) -> Acceptance; the engine then compacts the chosen path."""
+    prefill: bool = False
+    """A chunk of committed context riding in a verify step (chunked prefill in the same forward):
+    a chain whose every node is accepted; its K/V are already in place, so nothing is compacted."""
+
+    @classmethod
+    def prefill_chunk(cls, seq: KVSequence, tokens: Sequence[int]) -> "TreeStep":
+        return cls(seq, tokens, chain_parents(len(tokens)), prefill=True)
 
 
 @dataclass(frozen=True)
@@ -115,7 +125,7 @@ def _packed(fields: list[tuple[str, tuple[int, ...]]]) -> dict[str, tuple[int, t
 def layout(B: int, T: int, NB: int) -> dict[str, tuple[int, tuple[int, ...]]]:
     """Offsets and shapes of each input inside the packed int64 buffer."""
     return _packed([("tokens", (B, T)), ("parents", (B, T)), ("sizes", (B,)), ("tables", (B, NB)), ("ctx", (B,)),
-                    ("compact", (B,)), ("greedy", (B,)), ("top_k", (B,))])
+                    ("compact", (B,)), ("force", (B,)), ("greedy", (B,)), ("top_k", (B,))])
 
 
 def float_layout(B: int, T: int) -> dict[str, tuple[int, tuple[int, ...]]]:
@@ -281,10 +291,15 @@ class Engine:
         steps by one chunk, not by the whole prompt. seq.blocks is read afresh for every chunk, so a
         compaction between chunks is fine."""
         for start in range(0, len(tokens), self.prefill_chunk):
-            chunk = list(tokens[start:start + self.prefill_chunk])
-            self._forward_eager(seq, chunk, chain_parents(len(chunk)), logits=False)
-            seq.length += len(chunk)
-            yield start + len(chunk)
+            self.append(seq, tokens[start:start + self.prefill_chunk])
+            yield min(len(tokens), start + self.prefill_chunk)
+
+    @torch.no_grad()
+    def append(self, seq: KVSequence, tokens: Sequence[int]) -> None:
+        """One eager forward that appends the K/V of `tokens` to seq (no logits)."""
+        chunk = list(tokens)
+        self._forward_eager(seq, chunk, chain_parents(len(chunk)), logits=False)
+        seq.length += len(chunk)
 
     @torch.no_grad()
     def logits(self, seq: KVSequence, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
@@ -326,6 +341,8 @@ class Engine:
             raise ValueError("one tree per sequence in a step")
         if any(s.host_rule is None and not decided_on_device(s.sampling) for s in steps):
             raise ValueError("a step under a host-decided rule needs its host_rule")
+        if any(s.prefill and (s.host_rule is not None or not s.sampling.greedy) for s in steps):
+            raise ValueError("a prefill chunk is greedy and decided on the device")
         bs = self.cache.block_size
         T_real = max(len(s.tokens) for s in steps)
         for s in steps:
@@ -398,6 +415,7 @@ class Engine:
         a["tables"].fill(0)
         a["ctx"].fill(0)
         a["compact"].fill(0)
+        a["force"].fill(0)
         a["greedy"].fill(1)
         a["top_k"].fill(0)
         for b, s in enumerate(steps):         # a row copy per field (numpy arrays from the backend: memcpy)
@@ -408,7 +426,8 @@ class Engine:
             a["sizes"][b] = n
             a["tables"][b, :len(s.seq.blocks)] = s.seq.blocks
             a["ctx"][b] = s.seq.length
-            a["compact"][b] = s.host_rule is None
+            a["compact"][b] = s.host_rule is None and not s.prefill
+            a["force"][b] = s.prefill
         sampled = [b for b, s in enumerate(steps) if s.host_rule is None and not s.sampling.greedy]
         if sampled:
             a["u"].fill(0.0)
@@ -485,7 +504,7 @@ class Engine:
                                     mode == SAMPLE_TRUNCATED, self.sample_dtype)
             choice = torch.where(iv["greedy"].bool()[:, None], argmax, sampled)
         match = (tokens == choice.gather(1, parents)) & valid
-        match = match | (node == 0)[None, :]
+        match = match | (node == 0)[None, :] | iv["force"].bool()[:, None]   # prefill rows: all accepted
         accepted = ~(anc & ~match[:, None, :]).any(-1) & valid                 # every ancestor matches
         last = torch.where(accepted, depth, -1).argmax(1, keepdim=True)         # the deepest accepted node
         k = depth.gather(1, last)

@@ -3,7 +3,7 @@
 bench_gpu_verify.py's `attention` section times the kernel on the BASELINES.md shapes (64/8 heads,
 long contexts); this one times it where the step spends it: the Qwen2.5-1.5B heads (12/2, d 128),
 context 1024, B sessions x T tree tokens, 28 calls (one per layer) captured in one CUDA graph. For
-each cell it reports the kernel's default (TritonPagedAttention.tile_config/splits) and every
+each cell it reports the kernel's default (TritonPagedAttention.launch_config) and every
 (BLOCK_M, BLOCK_N, warps, stages, splits) in the grid, fastest first, with the largest difference
 from the default's output. CUDA only.
 
@@ -64,9 +64,9 @@ def sweep(B: int, T: int, context: int, heads: tuple[int, int], rng: np.random.G
     q = torch.randn(B, T, hq, D, device="cuda", dtype=torch.bfloat16)
     rows = T * hq // hkv
     default = TritonPagedAttention(tables, ctx, anc, bs, hq // hkv)
-    bm0, bn0 = default.tile_config(rows)
+    bm0, bn0, stages0, splits0 = default.launch_config(B, rows, hkv)
     cell = {"batch": B, "tree": T, "context": context,
-            "default": [bm0, bn0, default.NUM_WARPS, default.NUM_STAGES, default.splits(B, hkv, -(-rows // bm0))],
+            "default": [bm0, bn0, default.NUM_WARPS, stages0, splits0],
             "default_us": per_step_us(lambda: default(q, cache))}
     reference = default(q, cache).float()
     tiles = [16] if rows <= 16 else ([32, 64] if rows <= 96 else [64, 128])

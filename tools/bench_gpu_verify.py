@@ -241,7 +241,7 @@ def check_compaction() -> dict:
 
 # -- 3. attention kernels ---------------------------------------------------------------------
 def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict,
-                    configs: str = "0x0w4s2,64x64w4s2,128x64w8s2,128x32w8s3,64x32w4s3") -> list[dict]:
+                    configs: str = "0x0w4s0,64x64w4s3,64x32w4s2,128x32w4s2") -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from edgespec.verifier.torch.triton_attention import TritonPagedAttention
@@ -840,8 +840,8 @@ def main() -> int:
     p.add_argument("--matmul-pick", action="store_true",
                    help="with --matmul-sweep: the fastest configs replace fused.LINEAR_ROWS_TABLE's for the step")
     p.add_argument("--attention-shapes", default="8x4096,32x2048,8x32768")
-    p.add_argument("--attention-configs", default="0x0w4s2,64x64w4s2,128x64w8s2,128x32w8s3,64x32w4s3",
-                   help="Triton tile configurations to time: BMxBNwWARPSsSTAGES, comma-separated")
+    p.add_argument("--attention-configs", default="0x0w4s0,64x64w4s3,64x32w4s2,128x32w4s2",
+                   help="Triton tile configurations to time: BMxBNwWARPSsSTAGES, comma-separated (0: the kernel's own choice)")
     p.add_argument("--mixed-batches", default="1,7,8", help="trees per step in the mixed prefill section")
     p.add_argument("--capacity-sessions", default="1,8,32")
     p.add_argument("--capacity-trees", default="1,16,32")

@@ -161,19 +161,24 @@ class TritonPagedAttention:
     BLOCK_M = 0      # 0: chosen from the number of query rows (tile_config); benchmarks may pin them
     BLOCK_N = 0
     NUM_WARPS = 4
-    NUM_STAGES = 2
+    NUM_STAGES = 0   # 0: chosen with the key tile (tile_config)
+    LONG_SPLIT_KEYS = 1024  # a split of at least this many keys gets 64-key tiles and 3 stages
     TARGET_PROGRAMS = 384   # key splits aim at about this many programs (~3 waves of the H200's 132 SMs) ...
     MIN_SPLIT_KEYS = 128    # ... but give each split at least this many keys (fewer partials to write and merge)
 
-    def tile_config(self, rows: int) -> tuple[int, int]:
-        """(BLOCK_M, BLOCK_N): 64-row tiles for tall query groups, short ones for a handful of rows
-        (T = 1: G rows). A sweep of 88 configurations at the Qwen2.5-1.5B shape on the H200
-        (docs/BENCHMARKS.md, 2026-12-01) found 64 x 32 tiles with ~4 programs per (sequence, KV head,
-        row tile) fastest for 8 x 64 and 1 x 64 tree tokens: 0.73x and 0.80x the time of the 128 x 32
-        tiles used before (more programs to fill the SMs, less register pressure per program)."""
+    def tile_config(self, rows: int, split_keys: int) -> tuple[int, int, int]:
+        """(BLOCK_M, BLOCK_N, stages) for `rows` query rows per (sequence, KV head) and about
+        `split_keys` keys per program. 64-row tiles for tall query groups, short ones for a handful
+        of rows (T = 1: G rows). Measured on the H200 (docs/BENCHMARKS.md, 2026-12-01): at the
+        Qwen2.5-1.5B shape (context 1024, 128-256 keys per split) 64 x 32 tiles with 2 stages were
+        the fastest of 88 configurations; on long splits (BASELINES.md shapes: 2k-32k keys in one
+        program) 64 x 32 was 1.2-1.5x slower than 64 x 64 with 3 stages, the fastest there but
+        one (128 x 32 at 32 x 2048)."""
         bm = self.BLOCK_M or min(64, max(16, triton.next_power_of_2(rows)))
-        bn = self.BLOCK_N or (32 if bm >= 64 else 64)
-        return bm, bn
+        long = split_keys >= self.LONG_SPLIT_KEYS
+        bn = self.BLOCK_N or (64 if long or bm < 64 else 32)
+        stages = self.NUM_STAGES or (3 if long else 2)
+        return bm, bn, stages
 
     def __init__(self, tables: torch.Tensor, ctx_lens: torch.Tensor, anc: torch.Tensor, block_size: int,
                  group: int, nsplit: int | None = None) -> None:
@@ -193,15 +198,21 @@ class TritonPagedAttention:
         most = max(1, self.max_keys // self.MIN_SPLIT_KEYS)
         return int(max(1, min(want, most, 32)))
 
+    def launch_config(self, B: int, rows: int, h_kv: int) -> tuple[int, int, int, int]:
+        """(BLOCK_M, BLOCK_N, stages, splits) for B sequences of `rows` query rows per KV head."""
+        block_m = self.tile_config(rows, 0)[0]
+        ns = self.splits(B, h_kv, triton.cdiv(rows, block_m))
+        _, block_n, stages = self.tile_config(rows, self.max_keys // ns)
+        return block_m, block_n, stages, ns
+
     def __call__(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         B, T, Hq, D = q.shape
         Hkv = cache.shape[2]
         G = Hq // Hkv
         q = q.contiguous()
         MT = G * T
-        block_m, block_n = self.tile_config(MT)
+        block_m, block_n, stages, ns = self.launch_config(B, MT, Hkv)
         m_tiles = triton.cdiv(MT, block_m)
-        ns = self.splits(B, Hkv, m_tiles)
         out = torch.empty_like(q)
         parts = ns if ns > 1 else 0   # one split writes `out` itself
         acc = torch.empty(B * Hkv, parts, MT, D, dtype=torch.float32, device=q.device)
@@ -213,7 +224,7 @@ class TritonPagedAttention:
             1.0 / math.sqrt(D), cache.stride(0), self.tables.shape[1], T, G, W, MT,
             MAX_TILES=triton.cdiv(triton.cdiv(self.max_keys + T, block_n), ns) if INTERPRET else 0,
             INTERPRET=INTERPRET, H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=self.NUM_WARPS, num_stages=self.NUM_STAGES)
+            num_warps=self.NUM_WARPS, num_stages=stages)
         if ns > 1:
             _tree_attn_merge[(B * Hkv, MT)](acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns,
                                            SPLITS_P2=triton.next_power_of_2(ns), num_warps=1)

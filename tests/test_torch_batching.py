@@ -99,9 +99,13 @@ class Client:
         self.channel.close()
 
 
-def test_concurrent_sessions_are_batched_and_exact(smol_path):
+@pytest.mark.parametrize("mixed", [False, True], ids=["turns", "mixed-prefill"])
+def test_concurrent_sessions_are_batched_and_exact(smol_path, mixed):
+    """mixed: the Syncs' prefill rides in the verify batches (the default on a GPU), so they go
+    through the batch worker too."""
     torch.set_num_threads(1)
     backend = TorchBackend(smol_path, n_ctx=256, max_sessions=6)
+    backend.mixed_prefill = mixed
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 5000, size=n).tolist() for n in (9, 23, 14, 31)]
     alone = []
@@ -131,8 +135,8 @@ def test_concurrent_sessions_are_batched_and_exact(smol_path):
         stats = server.registry.batcher.stats
         print(f"batches {stats.batches}, jobs {stats.jobs}, sizes {dict(stats.sizes)}")
         assert got == alone
-        # every Verify and every Sync (their prefill rides in the batches too) went through the worker
-        assert stats.jobs == 6 * len(prompts) + len(prompts) and stats.largest > 1
+        syncs = len(prompts) if mixed else 0
+        assert stats.jobs == 6 * len(prompts) + syncs and stats.largest > 1
         assert server.registry.stats.syncs == len(prompts)
     finally:
         server.stop()

@@ -34,6 +34,16 @@ def new_engine(model, blocks=96):
     return Engine(model, num_blocks=blocks, block_size=4)
 
 
+def prefilled(engine, prompts):
+    """A new sequence per prompt, each prefilled with it."""
+    seqs = []
+    for p in prompts:
+        s = engine.new_sequence()
+        engine.prefill(s, p)
+        seqs.append(s)
+    return seqs
+
+
 def random_parents(n, rng):
     return [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
 
@@ -189,11 +199,7 @@ def test_batched_verify_equals_one_at_a_time(model):
     results = []
     for batched in (True, False):
         engine = new_engine(model, blocks=160)
-        seqs = []
-        for p in prompts:
-            s = engine.new_sequence()
-            engine.prefill(s, p)
-            seqs.append(s)
+        seqs = prefilled(engine, prompts)
         for _ in range(3):
             steps = [TreeStep(s, [int(rng.integers(0, VOCAB))] + t[1:], parents) for s, (t, parents) in zip(seqs, trees)]
             results.append(engine.verify(steps) if batched else [engine.verify([st])[0] for st in steps])
@@ -217,11 +223,7 @@ def test_prefill_chunks_in_verify_steps_equal_a_separate_prefill(model):
     runs = {}
     for mixed in (True, False):
         engine = new_engine(model, blocks=160)
-        seqs = []
-        for p in prompts:
-            s = engine.new_sequence()
-            engine.prefill(s, p)
-            seqs.append(s)
+        seqs = prefilled(engine, prompts)
         late = engine.new_sequence()
         if not mixed:
             engine.prefill(late, long)

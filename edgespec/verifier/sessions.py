@@ -327,18 +327,8 @@ class SessionRegistry:
     def _sync_batched(self, session: ServerSession, tokens: list[int], received: float,
                       deadline_ms: int) -> tuple[float, float]:
         """sync through the batch worker: the prefill rides in verify batches, one chunk per batch."""
-        with self._lock:
-            session.in_flight += 1
-        try:
-            deadline = None if deadline_ms <= 0 else received + deadline_ms / 1000
-            sync = _SyncJob(session, tokens)
-            job = self.batcher.submit(sync, received, deadline)
-        finally:
-            session.last_used = time.monotonic()
-            with self._lock:
-                session.in_flight -= 1
-        if job.error is not None:
-            raise job.error
+        sync = _SyncJob(session, tokens)
+        self._submit(session, sync, received, deadline_ms)
         total = time.monotonic() - received
         return total - sync.compute_s, sync.compute_s
 
@@ -346,19 +336,23 @@ class SessionRegistry:
     def verify_batched(self, session: ServerSession, received: float, deadline_ms: int, tree, sampling,  # noqa: ANN001
                        step: int, context_length: int) -> VerifyOutcome:
         """Queue one Verify for the batch worker and wait for its batch; raises its error."""
+        return self._submit(session, (session, tree, sampling, step, context_length), received, deadline_ms).result
+
+    def _submit(self, session: ServerSession, payload: object, received: float, deadline_ms: int) -> Job:
+        """Queue a request of `session` for the batch worker, wait for it to finish; raises its error."""
         assert self.batcher is not None
         with self._lock:
             session.in_flight += 1
         try:
             deadline = None if deadline_ms <= 0 else received + deadline_ms / 1000
-            job = self.batcher.submit((session, tree, sampling, step, context_length), received, deadline)
+            job = self.batcher.submit(payload, received, deadline)
         finally:
             session.last_used = time.monotonic()
             with self._lock:
                 session.in_flight -= 1
         if job.error is not None:
             raise job.error
-        return job.result
+        return job
 
     def _run_verify_batch(self, jobs: list[Job]) -> None:
         """Inside the compute worker: check each request, then one backend.verify_many call (with

@@ -185,7 +185,6 @@ class PrefillWork:
 class TorchBackend(Backend):
     """One TransformerLM and one paged KV cache, sized for `max_sessions` full contexts, shared by all sessions."""
 
-    mixed_prefill = True
 
     def __init__(self, model_path: str | os.PathLike, *, device: str = "cpu", dtype: str | None = None,
                  n_ctx: int = 4096, max_nodes: int = 128, max_depth: int = 32, max_k: int = 64,
@@ -245,6 +244,10 @@ class TorchBackend(Backend):
         self.engine = Engine(model, num_blocks=max_sessions * (step_blocks + 1) + 1, block_size=block_size,
                              cuda_graphs=cuda_graphs, attention=attention, prefill_chunk=prefill_chunk,
                              compact_threshold=compact_threshold, compact_check_every=compact_check_every)
+        # Prefill rides in verify steps on a GPU, where a step's padded rows cost little next to
+        # reading the weights; on the CPU every padded row is computed, and turns were measured faster
+        # there (docs/BENCHMARKS.md, 2026-12-01: verify p50 during a sync 58 vs 26 ms).
+        self.mixed_prefill = model.device.type == "cuda"
         self._sessions: set[TorchSession] = set()
         self._model_path: str | os.PathLike | None = None   # where grammar_vocab reads the token list
         self._grammar_vocab: GrammarVocab | None = None

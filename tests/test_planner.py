@@ -246,3 +246,57 @@ def test_a_ladder_of_one_shape_never_explores_past_its_end():
         assert p.choose() == only
         p.observe(StepObservation(nodes=0, draft_s=0.0, draft_decodes=0, network_s=0.05, bytes_up=48,
                                   verify_s=0.08, queue_s=0.0, scores=np.zeros(0), accepted=np.zeros(0, bool)))
+
+
+def observe_tree(p, shape, nodes, accepted, steps=1):
+    for _ in range(steps):
+        p.observe(StepObservation(nodes=nodes, draft_s=0.03 * nodes, draft_decodes=nodes, network_s=0.05,
+                                  bytes_up=48 + 8 * nodes, verify_s=0.2 + 0.06 * nodes, queue_s=0.0,
+                                  scores=np.full(nodes, 0.8), accepted=np.arange(nodes) < accepted, shape=shape))
+
+
+def test_a_new_request_relearns_what_drafting_realizes_from_its_first_trees():
+    """Acceptance depends on the text: after a prose request where chain4 realized 1.5 tokens, a
+    code request's chain4 trees (5 tokens) move the shape's figure halfway at once, not by 1/8
+    per tree, and on prose after code the planner leaves chain4 within two trees."""
+    p = Planner()
+    chain4 = next(i for i, s in enumerate(p.ladder) if s.label == "chain4")
+    p.begin_request()
+    observe_tree(p, "chain4", 4, 0, steps=10)            # prose: nothing accepted
+    assert p.realized[chain4] == (10, 1.0)
+    p.begin_request()
+    observe_tree(p, "chain4", 4, 4)                       # code: all four accepted
+    assert p.realized[chain4] == (11, 3.0)
+    observe_tree(p, "chain4", 4, 4)
+    assert abs(p.realized[chain4][1] - (3.0 + 2.0 / 3)) < 1e-9
+    for _ in range(12):
+        observe_tree(p, "chain4", 4, 4)
+    assert p.realized[chain4][1] > 4.6
+    p.begin_request()                                     # prose again
+    observe_tree(p, "chain4", 4, 0, steps=2)
+    assert p.realized[chain4][1] < 2.7
+
+
+def test_a_new_request_first_tries_the_best_drafted_shape_when_target_only_is_chosen():
+    """After prose taught the planner that drafting does not pay, a new request still starts with one
+    drafted tree (unpruned, as an exploration) instead of a whole answer of target-only steps; if that
+    tree pays, the planner keeps drafting, otherwise it goes back to target-only."""
+    p = Planner(ladder=(TreeShape.target_only(), TreeShape.chain(2), TreeShape.chain(4)))
+    chain2, chain4 = 1, 2
+    for _ in range(20):   # target-only steps: 50 ms round trip, 200 ms verify
+        p.observe(StepObservation(nodes=0, draft_s=0.0, draft_decodes=0, network_s=0.05, bytes_up=48,
+                                  verify_s=0.2, queue_s=0.0, scores=np.zeros(0), accepted=np.zeros(0, bool)))
+    for label, n in (("chain2", 2), ("chain4", 4)):
+        observe_tree(p, label, n, 0, steps=4)
+    assert p.choose() == TreeShape.target_only()
+    p.begin_request()
+    first = p.choose()
+    assert first.budget > 0 and p.exploring and p.last_choice in (chain2, chain4)
+    assert p.choose() == TreeShape.target_only()         # one try per request
+    observe_tree(p, first.label, first.budget, first.budget)
+    assert p.choose().budget > 0                          # it paid: keep drafting
+    p.begin_request()
+    p.choose()
+    observe_tree(p, p.ladder[p.last_choice].label, p.ladder[p.last_choice].budget, 0)
+    observe_tree(p, p.ladder[p.last_choice].label, p.ladder[p.last_choice].budget, 0)
+    assert p.choose() == TreeShape.target_only()

@@ -218,11 +218,13 @@ class Planner:
             self.decode_s_by_rung[rung] = per_decode if old is None else 0.7 * old + 0.3 * per_decode
         count, mean = self.realized.get(rung, (0, 0.0))
         tokens = 1.0 + float(obs.accepted.sum())
-        # Within a request, what the shape realized before it counts as one observation: this
-        # request's trees move the mean at once (1/2, 1/3, ...) until the window's weight is reached.
+        # Acceptance depends on the text: a request's first tree of a shape replaces what the shape
+        # realized on earlier requests, its later trees average in (1/2, 1/3, ...) down to the window's
+        # weight. (Weighted 1/2, a code request's first chain4 tree after prose left chain4 below target-only
+        # decoding, and the answer ran target-only at 0.93x cloud AR where chain4 ran 1.74x: 2-core box, 2026-12-01.)
         seen = self._request_trees.get(rung, 0)
         self._request_trees[rung] = seen + 1
-        weight = max(1 / min(count + 1, REALIZED_WINDOW), 1 / (seen + 2) if count else 1.0)
+        weight = max(1 / min(count + 1, REALIZED_WINDOW), 1 / (seen + 1))
         self.realized[rung] = (count + 1, mean + (tokens - mean) * weight)
         if obs.depths is not None:  # before the bins learn from this step: predicted out of sample
             d = np.minimum(obs.depths, MAX_TRACKED_DEPTH)
@@ -298,7 +300,7 @@ class Planner:
     # -- decisions ----------------------------------------------------------------------------
     def begin_request(self) -> None:
         """A new prompt: acceptance depends on the text, so what each shape realized on earlier
-        requests is only a prior. This request's trees outweigh it from the first one (observe),
+        requests is only a default. This request's first tree of a shape replaces it (observe),
         and when plain target decoding is the choice, the first step tries the best drafted shape
         (if it could pay at all), so a code prompt after prose finds out that drafting pays.
         Measured on the 2-core box (2026-12-01): after a prose prompt the planner decoded a whole

@@ -300,3 +300,20 @@ def test_a_new_request_first_tries_the_best_drafted_shape_when_target_only_is_ch
     observe_tree(p, p.ladder[p.last_choice].label, p.ladder[p.last_choice].budget, 0)
     observe_tree(p, p.ladder[p.last_choice].label, p.ladder[p.last_choice].budget, 0)
     assert p.choose() == TreeShape.target_only()
+
+
+def test_shapes_a_request_has_not_drafted_are_priced_with_its_acceptance():
+    """A code answer drafted with chain2 accepting every node predicts chain4 from that acceptance,
+    not from what chain4 realized on the prose before (1 token), so the planner can move up to it."""
+    from edgespec.edge.planner import tree_tokens
+
+    p = Planner(ladder=(TreeShape.target_only(), TreeShape.chain(2), TreeShape.chain(4)))
+    p.begin_request()
+    observe_tree(p, "chain4", 4, 0, steps=4)              # prose: chain4 realizes 1 token
+    assert p.expected_tokens(2) == 1.0
+    p.begin_request()
+    assert p.expected_tokens(2) == 1.0                    # no evidence in this request yet: the old figure
+    observe_tree(p, "chain2", 2, 2, steps=2)              # code: 4 of 4 path nodes accepted
+    a_sibling = p.typical_acceptance()[1]
+    assert p.expected_tokens(1) == 3.0
+    assert abs(p.expected_tokens(2) - tree_tokens(p.ladder[2], 5 / 6, a_sibling)) < 1e-9 and p.expected_tokens(2) > 3.5

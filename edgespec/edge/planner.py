@@ -58,6 +58,7 @@ DEPTH_PRIOR = 4.0          # pseudo-observations pulling a depth's correction to
 # the 0.5B draft on one core of the 2-core box: 50 ms for one row, 286 ms for eight.
 WIDE_ROW_COST = 0.75
 REALIZED_WINDOW = 8        # realized tokens per rung: a running mean over about this many steps
+REQUEST_EVIDENCE = 4       # path nodes a request must have tried before its acceptance prices other shapes
 
 
 @dataclass
@@ -191,6 +192,10 @@ class Planner:
     # probes a drafted shape
     _request_trees: dict[int, int] = field(default_factory=dict, repr=False)
     _probe: bool = field(default=False, repr=False)
+    # this request's acceptance along the path: [accepted nodes, nodes the walk tried] (a tree whose
+    # path stopped at depth k < its depth tried k + 1 nodes), for the shapes it has not drafted yet
+    _request_path: list[int] = field(default_factory=lambda: [0, 0], repr=False)
+    requests: int = 0        # begin_request calls (0: one open-ended run, no per-request figures)
 
     # -- learning -----------------------------------------------------------------------------
     def observe(self, obs: StepObservation) -> None:
@@ -224,6 +229,11 @@ class Planner:
         # decoding, and the answer ran target-only at 0.93x cloud AR where chain4 ran 1.74x: 2-core box, 2026-12-01.)
         seen = self._request_trees.get(rung, 0)
         self._request_trees[rung] = seen + 1
+        if obs.nodes:
+            k = int(obs.accepted.sum())
+            deepest = int(obs.depths.max()) if obs.depths is not None else obs.nodes
+            self._request_path[0] += k
+            self._request_path[1] += k + (k < deepest)
         weight = max(1 / min(count + 1, REALIZED_WINDOW), 1 / (seen + 1))
         self.realized[rung] = (count + 1, mean + (tokens - mean) * weight)
         if obs.depths is not None:  # before the bins learn from this step: predicted out of sample
@@ -282,14 +292,22 @@ class Planner:
         return max(answer, 1e-9)  # never 0: rates divide by it
 
     def expected_tokens(self, rung: int, typical: tuple[float, float] | None = None) -> float:
-        """1 + expected accepted drafts for a ladder rung: the running mean of what it achieved
-        (after 3 uses), else a guess from the calibrated acceptance of a typical tree (depth d of
-        a chain is accepted with probability a^d, a = acceptance of confident nodes). typical:
-        (a, a_sibling) when the caller has them already."""
+        """1 + expected accepted drafts for a ladder rung: what it achieved in this request; for a
+        shape this request has not drafted, what this request's acceptance along the path predicts
+        for it (a code answer drafted with chain2 accepting 0.95 of its nodes predicts chain4's
+        4.5), once the request has tried REQUEST_EVIDENCE nodes; else the running mean of earlier
+        requests (after 3 uses), else a guess from the calibrated acceptance of a typical tree
+        (depth d of a chain is accepted with probability a^d, a = acceptance of confident nodes).
+        typical: (a, a_sibling) when the caller has them already."""
         count, mean = self.realized.get(rung, (0, 0.0))
-        if count >= 3:
+        if self.requests and rung in self._request_trees:
             return mean
         a, a_sibling = typical or self.typical_acceptance()
+        accepted, tried = self._request_path
+        if self.requests and tried >= REQUEST_EVIDENCE:   # a shape not drafted in this request: this request's acceptance
+            return tree_tokens(self.ladder[rung], (accepted + 1) / (tried + 2), a_sibling)
+        if count >= 3:
+            return mean
         return tree_tokens(self.ladder[rung], a, a_sibling)
 
     def typical_acceptance(self) -> tuple[float, float]:
@@ -305,7 +323,10 @@ class Planner:
         (if it could pay at all), so a code prompt after prose finds out that drafting pays.
         Measured on the 2-core box (2026-12-01): after a prose prompt the planner decoded a whole
         HumanEval answer target-only (1.00x cloud AR) where chain4 ran 1.74x."""
+        self.requests += 1
         self._request_trees = {}
+        self._request_path = [0, 0]
+        self._tokens_by_rung = None
         self._probe = True
 
     def choose(self) -> TreeShape:

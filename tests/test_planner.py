@@ -248,10 +248,10 @@ def test_a_ladder_of_one_shape_never_explores_past_its_end():
                                   verify_s=0.08, queue_s=0.0, scores=np.zeros(0), accepted=np.zeros(0, bool)))
 
 
-def observe_tree(p, shape, nodes, accepted, steps=1):
+def observe_tree(p, shape, nodes, accepted, steps=1, per_node_s=0.06):
     for _ in range(steps):
         p.observe(StepObservation(nodes=nodes, draft_s=0.03 * nodes, draft_decodes=nodes, network_s=0.05,
-                                  bytes_up=48 + 8 * nodes, verify_s=0.2 + 0.06 * nodes, queue_s=0.0,
+                                  bytes_up=48 + 8 * nodes, verify_s=0.2 + per_node_s * nodes, queue_s=0.0,
                                   scores=np.full(nodes, 0.8), accepted=np.arange(nodes) < accepted, shape=shape))
 
 
@@ -277,28 +277,32 @@ def test_a_new_request_relearns_what_drafting_realizes_from_its_first_trees():
     assert p.realized[chain4][1] == 1.0
 
 
-def test_a_new_request_first_tries_the_best_drafted_shape_when_target_only_is_chosen():
+def test_a_new_request_first_tries_a_drafted_shape_when_target_only_is_chosen():
     """After prose taught the planner that drafting does not pay, a new request still starts with one
-    drafted tree (unpruned, as an exploration) instead of a whole answer of target-only steps; if that
-    tree pays, the planner keeps drafting, otherwise it goes back to target-only."""
+    small drafted tree (unpruned, as an exploration) instead of a whole answer of target-only steps;
+    accepted to its depth, it tries the next shape up; if drafting pays the planner keeps drafting,
+    otherwise it goes back to target-only."""
     p = Planner(ladder=(TreeShape.target_only(), TreeShape.chain(2), TreeShape.chain(4)))
     chain2, chain4 = 1, 2
     for _ in range(20):   # target-only steps: 50 ms round trip, 200 ms verify
         p.observe(StepObservation(nodes=0, draft_s=0.0, draft_decodes=0, network_s=0.05, bytes_up=48,
                                   verify_s=0.2, queue_s=0.0, scores=np.zeros(0), accepted=np.zeros(0, bool)))
     for label, n in (("chain2", 2), ("chain4", 4)):
-        observe_tree(p, label, n, 0, steps=4)
+        observe_tree(p, label, n, 0, steps=4, per_node_s=0.02)
     assert p.choose() == TreeShape.target_only()
     p.begin_request()
     first = p.choose()
-    assert first.budget > 0 and p.exploring and p.last_choice in (chain2, chain4)
+    assert first.budget > 0 and p.exploring and p.last_choice == chain2   # the smallest drafted shape
     assert p.choose() == TreeShape.target_only()         # one try per request
-    observe_tree(p, first.label, first.budget, first.budget)
+    observe_tree(p, first.label, first.budget, first.budget, per_node_s=0.02)
+    assert p.choose() == p.ladder[chain4] and p.exploring    # accepted to its depth: one shape up
+    observe_tree(p, "chain4", 4, 4, per_node_s=0.02)
     assert p.choose().budget > 0                          # it paid: keep drafting
-    p.begin_request()
-    p.choose()
-    observe_tree(p, p.ladder[p.last_choice].label, p.ladder[p.last_choice].budget, 0)
-    observe_tree(p, p.ladder[p.last_choice].label, p.ladder[p.last_choice].budget, 0)
+    p.begin_request()                                     # prose again: trees that accept nothing
+    for _ in range(2):
+        assert p.choose().budget > 0
+        shape = p.ladder[p.last_choice]
+        observe_tree(p, shape.label, shape.budget, 0, steps=2, per_node_s=0.02)
     assert p.choose() == TreeShape.target_only()
 
 

@@ -188,10 +188,10 @@ class Planner:
     # expected tokens per rung; they change only when a drafted tree is observed, and choose() runs
     # on every step (80 µs recomputing them, against a 3.4 ms target-only step on a GPU nearby)
     _tokens_by_rung: list[float] | None = field(default=None, repr=False)
-    # trees observed per rung in the current request (begin_request), and whether its first choice
-    # probes a drafted shape
+    # trees observed per rung in the current request (begin_request), and a larger rung to try at
+    # the next choice (the request's first drafted shape; one up after a tree accepted to its depth)
     _request_trees: dict[int, int] = field(default_factory=dict, repr=False)
-    _probe: bool = field(default=False, repr=False)
+    _try_next: int | None = field(default=None, repr=False)
     # this request's acceptance along the path: [accepted nodes, nodes the walk tried] (a tree whose
     # path stopped at depth k < its depth tried k + 1 nodes), for the shapes it has not drafted yet
     _request_path: list[int] = field(default_factory=lambda: [0, 0], repr=False)
@@ -234,6 +234,8 @@ class Planner:
             deepest = int(obs.depths.max()) if obs.depths is not None else obs.nodes
             self._request_path[0] += k
             self._request_path[1] += k + (k < deepest)
+            if self.requests and k == deepest and seen == 0 and rung + 1 not in self._request_trees:
+                self._try_next = rung + 1   # accepted to its depth: see whether the next shape up pays too
         weight = max(1 / min(count + 1, REALIZED_WINDOW), 1 / (seen + 1))
         self.realized[rung] = (count + 1, mean + (tokens - mean) * weight)
         if obs.depths is not None:  # before the bins learn from this step: predicted out of sample
@@ -319,15 +321,16 @@ class Planner:
     def begin_request(self) -> None:
         """A new prompt: acceptance depends on the text, so what each shape realized on earlier
         requests is only a default. This request's first tree of a shape replaces it (observe),
-        and when plain target decoding is the choice, the first step tries the best drafted shape
-        (if it could pay at all), so a code prompt after prose finds out that drafting pays.
-        Measured on the 2-core box (2026-12-01): after a prose prompt the planner decoded a whole
-        HumanEval answer target-only (1.00x cloud AR) where chain4 ran 1.74x."""
+        and when plain target decoding is the choice, the first step tries the smallest drafted
+        shape (if it could pay at all); a tree accepted to its depth then tries the next shape up
+        once. So a code prompt after prose finds out that drafting pays, and a prose prompt pays for
+        one small tree. Measured on the 2-core box (2026-12-01): after a prose prompt the planner
+        decoded a whole HumanEval answer target-only (1.00x cloud AR) where chain4 ran 1.74x."""
         self.requests += 1
         self._request_trees = {}
         self._request_path = [0, 0]
         self._tokens_by_rung = None
-        self._probe = True
+        self._try_next = 1
 
     def choose(self) -> TreeShape:
         """The ladder shape with the best predicted tokens/second. Every explore_every steps a
@@ -347,12 +350,11 @@ class Planner:
         (the router's planner passes its arm's)."""
         best = int(np.argmax(rates))
         self.exploring = False
-        probe, self._probe = self._probe, False
-        if probe and best == 0 and len(self.ladder) > 1:   # begin_request: one try of the best drafted shape
-            n = 1 + int(np.argmax(rates[1:]))
-            if tree_tokens(self.ladder[n], *OPTIMISTIC_ACCEPTANCE) / seconds(n, True) > rates[best]:
-                self.explore_seconds += seconds(n, False)
-                best, self.exploring = n, True
+        n, self._try_next = self._try_next, None
+        if (n is not None and best < n < len(self.ladder) and not learning    # begin_request / a full tree
+                and tree_tokens(self.ladder[n], *OPTIMISTIC_ACCEPTANCE) / seconds(n, True) > rates[best]):
+            self.explore_seconds += seconds(n, False)
+            best, self.exploring = n, True
         elif len(self.ladder) > 1 and self.steps > 0 and self.steps % self.explore_every == 0:
             e = self.explore_every
             up = best == 0 or (self.steps % (2 * e) and best + 1 < len(self.ladder))  # alternate; turn at the ends

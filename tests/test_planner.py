@@ -321,3 +321,17 @@ def test_shapes_a_request_has_not_drafted_are_priced_with_its_acceptance():
     a_sibling = p.typical_acceptance()[1]
     assert p.expected_tokens(1) == 3.0
     assert abs(p.expected_tokens(2) - tree_tokens(p.ladder[2], 5 / 6, a_sibling)) < 1e-9 and p.expected_tokens(2) > 3.5
+
+
+def test_a_pruned_tree_accepted_whole_does_not_climb():
+    """A chain2 tree that pruning cut to one node, accepted, says nothing about chain4 (on prose that
+    climbed to tree8 and tree16 and cost seconds of drafting)."""
+    p = Planner(ladder=(TreeShape.target_only(), TreeShape.chain(2), TreeShape.chain(4)))
+    p.begin_request()
+    p.choose()
+    p.observe(StepObservation(nodes=1, draft_s=0.06, draft_decodes=2, network_s=0.05, bytes_up=56, verify_s=0.22,
+                              queue_s=0.0, scores=np.array([0.9]), accepted=np.ones(1, bool),
+                              depths=np.array([1]), shape="chain2"))
+    assert p._try_next is None
+    observe_tree(p, "chain2", 2, 2)                       # a whole chain2 accepted: this one counts
+    assert p._try_next == 2

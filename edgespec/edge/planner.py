@@ -234,8 +234,9 @@ class Planner:
             deepest = int(obs.depths.max()) if obs.depths is not None else obs.nodes
             self._request_path[0] += k
             self._request_path[1] += k + (k < deepest)
-            if self.requests and k == deepest and seen == 0 and rung + 1 not in self._request_trees:
-                self._try_next = rung + 1   # accepted to its depth: see whether the next shape up pays too
+            # accepted to the shape's full depth (not only a pruned tree's): does the next shape up pay too?
+            if self.requests and k >= self.ladder[rung].max_depth and rung + 1 not in self._request_trees:
+                self._try_next = rung + 1
         weight = max(1 / min(count + 1, REALIZED_WINDOW), 1 / (seen + 1))
         self.realized[rung] = (count + 1, mean + (tokens - mean) * weight)
         if obs.depths is not None:  # before the bins learn from this step: predicted out of sample

@@ -293,15 +293,20 @@ def warm_up(sessions: dict, prompts: list[list[int]], tokens: int) -> None:
                 one_run(s, prompt, tokens)
 
 
+def prompt_set(spec_bench: Path, humaneval: int, spec: int) -> list:
+    """(name, text) of the first `humaneval` HumanEval and `spec` Spec-Bench prompts, alternating."""
+    code = load_prompts(spec_bench, humaneval, 0)
+    prose = load_prompts(spec_bench, 0, spec)
+    return [p for pair in zip(code, prose) for p in pair] + code[len(prose):] + prose[len(code):]
+
+
 def run(args: argparse.Namespace) -> dict:
     from edgespec.common import modelstore
 
     import netrelay
     rtts = [float(x) for x in args.rtts.split(",")]
     rates = [0.0] if args.local_link else [float(x) for x in args.mbits.split(",")]  # 0: no rate limit
-    code = load_prompts(args.spec_bench, args.humaneval, 0)
-    prose = load_prompts(args.spec_bench, 0, args.spec)
-    named: list = [p for pair in zip(code, prose) for p in pair] + code[len(prose):] + prose[len(code):]  # alternate
+    named = prompt_set(args.spec_bench, args.humaneval, args.spec)
     if args.multi_turn:
         from bench_pool import MULTI_TURN
         named += MULTI_TURN[:args.multi_turn]

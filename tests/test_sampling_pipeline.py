@@ -157,9 +157,12 @@ def chi2_pvalue(counts: dict[tuple[int, ...], int], exact: dict[tuple[int, ...],
     return min(1.0, 2 * min(joint, first))
 
 
-# The planner's own ladder, scaled down so that thousands of runs stay quick (same code paths).
-SMALL_LADDER = (TreeShape.target_only(), TreeShape.chain(2), TreeShape(budget=6, max_depth=3, branching=2, width=2),
-                TreeShape(budget=12, max_depth=4, branching=3, width=3))
+# The planner's own ladder, scaled down so that thousands of runs stay quick (same code paths), and
+# branching from its first drafted rung up: every run here is a request of a few tokens, where the
+# planner's per-request probe and climb start from the first drafted rung, and the test is about
+# trees that the planner prunes.
+SMALL_LADDER = (TreeShape.target_only(), TreeShape(budget=4, max_depth=2, branching=2, width=2),
+                TreeShape(budget=6, max_depth=3, branching=2, width=2), TreeShape(budget=12, max_depth=4, branching=3, width=3))
 
 
 def make_decoder(shape: TreeShape | None, pipelined: bool) -> Decoder:

@@ -118,6 +118,18 @@ def response_format_of(args: argparse.Namespace) -> Grammar | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    with CtrlC() as ctrl_c:
+        try:   # the imports load llama.cpp: Ctrl-C may land there already
+            from edgespec.edge.session import EdgeSession  # noqa: F401
+        except KeyboardInterrupt:
+            ctrl_c.pressed = True
+        if ctrl_c.pressed:
+            print("[edgespec] interrupted while starting", file=sys.stderr)
+            return 130
+        return _run(args, ctrl_c)
+
+
+def _run(args: argparse.Namespace, ctrl_c: "CtrlC") -> int:
     import os
 
     from edgespec.edge.drafting import TreeShape
@@ -162,50 +174,49 @@ def run(args: argparse.Namespace) -> int:
             link.update(verifier=args.verifier, token=args.token or os.environ.get("EDGESPEC_TOKEN"), tls=args.tls_ca)
     hardware = dict(draft_threads=args.draft_threads, target_threads=args.target_threads,
                     draft_gpu_layers=args.draft_gpu_layers, target_gpu_layers=args.target_gpu_layers)
-    with CtrlC() as ctrl_c:
-        try:
-            session = EdgeSession(args.draft, args.target, tree=shape, n_ctx=args.n_ctx, lookup=args.lookup, **link,
-                                  **hardware, privacy=args.mask_pii, strict=args.pii_strict, router=router)
-        except KeyboardInterrupt:
-            print("[edgespec] interrupted while starting", file=sys.stderr)
+    try:
+        session = EdgeSession(args.draft, args.target, tree=shape, n_ctx=args.n_ctx, lookup=args.lookup, **link,
+                              **hardware, privacy=args.mask_pii, strict=args.pii_strict, router=router)
+    except KeyboardInterrupt:
+        print("[edgespec] interrupted while starting", file=sys.stderr)
+        return 130
+    with session:
+        ctrl_c.defer()   # from here on Ctrl-C stops after the current step (see CtrlC)
+        if not ctrl_c.pressed:
+            chunks = session.chat(messages, stream=True, max_tokens=args.max_tokens,
+                                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                  seed=args.seed, sampling_rule=args.sampling_rule, banned_phrases=args.ban,
+                                  response_format=response_format)
+            try:
+                for chunk in chunks:
+                    sys.stdout.write(chunk)
+                    sys.stdout.flush()
+                    if ctrl_c.pressed:
+                        break
+            finally:
+                chunks.close()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if ctrl_c.pressed:   # what was printed stands; say so, with the figures so far
+            print(f"[edgespec] interrupted: {session.stats.summary()}", file=sys.stderr)
             return 130
-        with session:
-            ctrl_c.defer()   # from here on Ctrl-C stops after the current step (see CtrlC)
-            if not ctrl_c.pressed:
-                chunks = session.chat(messages, stream=True, max_tokens=args.max_tokens,
-                                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                      seed=args.seed, sampling_rule=args.sampling_rule, banned_phrases=args.ban,
-                                      response_format=response_format)
-                try:
-                    for chunk in chunks:
-                        sys.stdout.write(chunk)
-                        sys.stdout.flush()
-                        if ctrl_c.pressed:
-                            break
-                finally:
-                    chunks.close()
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-            if ctrl_c.pressed:   # what was printed stands; say so, with the figures so far
-                print(f"[edgespec] interrupted: {session.stats.summary()}", file=sys.stderr)
-                return 130
-            if session.finish_reason == "context_full":
-                print(f"[edgespec] stopped: the context window of {session.n_ctx} tokens is full (prompt and answer); "
-                      "pass a larger --n-ctx for longer answers", file=sys.stderr)
-            print(f"[edgespec] {session.stats.summary()}", file=sys.stderr)
-            if session.router is not None:
-                turn = session.stats.extra.get("planner", {}).get("router", {}).get("arm")
-                print(f"[edgespec] router: chose {turn} for this turn; learns in {session.router.state_path}",
-                      file=sys.stderr)
-            if args.json_stats:
-                s = session.stats
-                print(json.dumps(finite_json({"tokens": s.tokens, "steps": s.steps, "tau": s.tau,
-                                  "acceptance_rate": s.acceptance_rate, "tokens_per_second": s.tokens_per_second,
-                                  "prepared_hits": s.prepared_hits, "shapes": s.shapes,
-                                  "finish_reason": session.finish_reason, "threads": session.threads,
-                                  "gpu_layers": session.gpu_layers,
-                                  "link": s.link.as_dict() if s.link is not None else None,
-                                  **s.extra}), default=str, allow_nan=False), file=sys.stderr)
+        if session.finish_reason == "context_full":
+            print(f"[edgespec] stopped: the context window of {session.n_ctx} tokens is full (prompt and answer); "
+                  "pass a larger --n-ctx for longer answers", file=sys.stderr)
+        print(f"[edgespec] {session.stats.summary()}", file=sys.stderr)
+        if session.router is not None:
+            turn = session.stats.extra.get("planner", {}).get("router", {}).get("arm")
+            print(f"[edgespec] router: chose {turn} for this turn; learns in {session.router.state_path}",
+                  file=sys.stderr)
+        if args.json_stats:
+            s = session.stats
+            print(json.dumps(finite_json({"tokens": s.tokens, "steps": s.steps, "tau": s.tau,
+                              "acceptance_rate": s.acceptance_rate, "tokens_per_second": s.tokens_per_second,
+                              "prepared_hits": s.prepared_hits, "shapes": s.shapes,
+                              "finish_reason": session.finish_reason, "threads": session.threads,
+                              "gpu_layers": session.gpu_layers,
+                              "link": s.link.as_dict() if s.link is not None else None,
+                              **s.extra}), default=str, allow_nan=False), file=sys.stderr)
     return 0
 
 
@@ -238,6 +249,7 @@ class CtrlC:
         self.pressed = False
         self._deferred = False
         self._previous: object = None
+        self._unraisable = sys.unraisablehook
 
     def __enter__(self) -> "CtrlC":
         # Signals go to the main thread only. A process started with SIGINT ignored (a background job
@@ -245,11 +257,20 @@ class CtrlC:
         # that a terminal's Ctrl-C is not for background jobs.
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._unraisable = sys.unraisablehook
+            sys.unraisablehook = self._drop_interrupts
         return self
+
+    def _drop_interrupts(self, unraisable: "sys.UnraisableHookArgs") -> None:
+        """A Ctrl-C that landed in a callback is not an error to print: `pressed` keeps it."""
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            return
+        self._unraisable(unraisable)
 
     def __exit__(self, *exc: object) -> None:
         if self._previous is None:
             return
+        sys.unraisablehook = self._unraisable
         if self.pressed:
             # Ctrl-C was pressed and the session is closed: the process is on its way out (exit 130).
             # Ignore SIGINT from here on: a Python handler, ours or the restored default, is reset to
@@ -264,6 +285,10 @@ class CtrlC:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if not self._deferred:
+            # Remembered too: a KeyboardInterrupt raised inside an interpreter callback (an import's
+            # module-lock weakref callback, a __del__) is dropped as "unraisable", and the run went on
+            # loading and answered in full (seen in CI); the answer then does not start (run_main).
+            self.pressed = True
             raise KeyboardInterrupt
         if self.pressed:
             os.write(2, b"\n[edgespec] interrupted twice: exiting now\n")

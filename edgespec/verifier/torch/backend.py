@@ -185,7 +185,6 @@ class PrefillWork:
 class TorchBackend(Backend):
     """One TransformerLM and one paged KV cache, sized for `max_sessions` full contexts, shared by all sessions."""
 
-
     def __init__(self, model_path: str | os.PathLike, *, device: str = "cpu", dtype: str | None = None,
                  n_ctx: int = 4096, max_nodes: int = 128, max_depth: int = 32, max_k: int = 64,
                  max_sessions: int = 4, block_size: int = 16, threads: int | None = None,
@@ -299,6 +298,8 @@ class TorchBackend(Backend):
         forward itself fails, every request in it gets that exception (their sessions are then in
         doubt, as after any failed verify). A prefill that fails gets it as `work.error`."""
         results: list[VerifyResult | BaseException | None] = [None] * len(requests)
+        for work in prefills:   # what this call does to each, for the service's figures
+            work.rode = work.ran = False
         steps, index = [], []
         for i, (session, tree, sampling, step) in enumerate(requests):
             try:
@@ -320,7 +321,7 @@ class TorchBackend(Backend):
         steps, index = kept_steps, kept_index
         if not steps:
             for work in prefills:
-                work.rode, work.ran = False, True
+                work.ran = True
                 try:
                     work.run_chunk()
                 except Exception as exc:  # noqa: BLE001 - that sync alone fails
@@ -354,12 +355,11 @@ class TorchBackend(Backend):
         reserved); the others wait for a later batch."""
         riders = []
         for work in prefills:
-            work.rode = work.ran = False
             if work.remaining <= 0:
                 work.advanced()
                 continue
             if len(riders) == limit:
-                break
+                continue
             step = TreeStep.prefill_chunk(work.session.seq, work.next_chunk(chunk))
             try:
                 step.seq.reserve(step.seq.length + len(step.tokens))

@@ -4,10 +4,11 @@ bench_gpu_verify.py's `attention` section times the kernel on the BASELINES.md s
 long contexts); this one times it where the step spends it: the Qwen2.5-1.5B heads (12/2, d 128),
 context 1024, B sessions x T tree tokens, 28 calls (one per layer) captured in one CUDA graph. For
 each cell it reports the kernel's default (TritonPagedAttention.launch_config) and every
-(BLOCK_M, BLOCK_N, warps, stages, splits) in the grid, fastest first, with the largest difference
+(BLOCK_M, BLOCK_N, warps, stages, splits, prefetch) in the grid, fastest first, with the largest difference
 from the default's output. CUDA only.
 
     PYTHONPATH=. python3 tools/bench_attention_tiles.py --cells 8x64,1x64,1x1 --out sweep.json
+    PYTHONPATH=. python3 tools/bench_attention_tiles.py --grid quick --prefetch off,on --out sweep.json
 """
 from __future__ import annotations
 
@@ -53,7 +54,14 @@ def per_step_us(fn, reps: int = 30) -> float:
     return best * 1000
 
 
-def sweep(B: int, T: int, context: int, heads: tuple[int, int], rng: np.random.Generator) -> dict:
+GRIDS = {   # (BLOCK_M, BLOCK_N, warps, stages, splits) candidates; BLOCK_M None: by the number of rows
+    "full": (None, [32, 64, 128], [4, 8], [2, 3], [1, 2, 4, 8]),
+    "quick": ([64], [32, 64], [4], [1, 2], [4, 8]),   # tall cells; T = 1 (a few rows) takes 16-row tiles
+}
+
+
+def sweep(B: int, T: int, context: int, heads: tuple[int, int], rng: np.random.Generator,
+          grid: str = "full", prefetch: tuple[bool, ...] = (False,)) -> dict:
     hq, hkv = heads
     D, bs = 128, 16
     blocks = -(-(context + T) // bs) + 4
@@ -66,23 +74,26 @@ def sweep(B: int, T: int, context: int, heads: tuple[int, int], rng: np.random.G
     default = TritonPagedAttention(tables, ctx, anc, bs, hq // hkv)
     bm0, bn0, stages0, splits0 = default.launch_config(B, rows, hkv)
     cell = {"batch": B, "tree": T, "context": context,
-            "default": [bm0, bn0, default.NUM_WARPS, stages0, splits0],
+            "default": [bm0, bn0, default.NUM_WARPS, stages0, splits0, default.PREFETCH],
             "default_us": per_step_us(lambda: default(q, cache))}
     reference = default(q, cache).float()
-    tiles = [16] if rows <= 16 else ([32, 64] if rows <= 96 else [64, 128])
+    tiles_m, tiles_n, warp_counts, stage_counts, split_counts = GRIDS[grid]
+    tiles = [16] if rows <= 16 else (tiles_m or ([32, 64] if rows <= 96 else [64, 128]))
     results = []
-    for bm, bn, warps, stages, splits in itertools.product(tiles, [32, 64, 128], [4, 8], [2, 3], [1, 2, 4, 8]):
+    for bm, bn, warps, stages, splits, pre in itertools.product(tiles, tiles_n, warp_counts, stage_counts,
+                                                                 split_counts, prefetch):
         if bm * bn >= 128 * 128 and warps == 4:
             continue
+        config = [bm, bn, warps, stages, splits, pre]
         try:
-            with attention_knobs(BLOCK_M=bm, BLOCK_N=bn, NUM_WARPS=warps, NUM_STAGES=stages):
+            with attention_knobs(BLOCK_M=bm, BLOCK_N=bn, NUM_WARPS=warps, NUM_STAGES=stages, PREFETCH=pre):
                 att = TritonPagedAttention(tables, ctx, anc, bs, hq // hkv, nsplit=splits)
                 us = per_step_us(lambda: att(q, cache))
                 diff = (att(q, cache).float() - reference).abs().max().item()
         except Exception as exc:  # noqa: BLE001 - a configuration that does not compile: note it, go on
-            results.append({"config": [bm, bn, warps, stages, splits], "error": f"{type(exc).__name__}"})
+            results.append({"config": config, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
             continue
-        results.append({"config": [bm, bn, warps, stages, splits], "us": us, "max_diff": diff})
+        results.append({"config": config, "us": us, "max_diff": diff})
     cell["results"] = sorted((r for r in results if "us" in r), key=lambda r: r["us"]) + \
         [r for r in results if "us" not in r]
     return cell
@@ -93,6 +104,8 @@ def main() -> int:
     ap.add_argument("--cells", default="8x64,1x64,1x1", help="BxT, comma-separated")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--heads", default="12/2", help="query/KV heads (Qwen2.5-1.5B: 12/2)")
+    ap.add_argument("--grid", choices=sorted(GRIDS), default="full")
+    ap.add_argument("--prefetch", default="off", help="off, on or off,on: TritonPagedAttention.PREFETCH values")
     ap.add_argument("--out", default="attention_tiles.json")
     args = ap.parse_args()
     heads = tuple(int(h) for h in args.heads.split("/"))
@@ -100,7 +113,8 @@ def main() -> int:
     cells = []
     for spec in args.cells.split(","):
         B, T = (int(v) for v in spec.split("x"))
-        cell = sweep(B, T, args.context, heads, rng)
+        cell = sweep(B, T, args.context, heads, rng, args.grid,
+                     tuple(v == "on" for v in args.prefetch.split(",")))
         cells.append(cell)
         best = cell["results"][0] if cell["results"] else None
         print(json.dumps({"batch": B, "tree": T, "default": cell["default"], "default_us": round(cell["default_us"], 1),

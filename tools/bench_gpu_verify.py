@@ -263,20 +263,21 @@ def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict,
         row = {"batch": B, "context": L, "tree": T, "floor_ms": floor, "hbm_floor_ms": kv_bytes / ceil["copy_bytes_per_s"] * 1000,
                "compute_floor_ms": flops / ceil["bf16_flop_per_s"] * 1000}
         best = None
-        for cfg in configs.split(","):   # "BMxBNwWARPSsSTAGES", 0x0: the kernel's own choice
-            tile, _, rest = cfg.partition("w")
+        for cfg in configs.split(","):   # "BMxBNwWARPSsSTAGES[p]", 0x0: the kernel's own choice; p: PREFETCH
+            prefetch = cfg.endswith("p")
+            tile, _, rest = cfg.removesuffix("p").partition("w")
             bm, bn = (int(v) for v in tile.split("x"))
             warps, stages = (int(v) for v in rest.split("s"))
             try:
-                with attention_knobs(BLOCK_M=bm, BLOCK_N=bn, NUM_WARPS=warps, NUM_STAGES=stages):
+                with attention_knobs(BLOCK_M=bm, BLOCK_N=bn, NUM_WARPS=warps, NUM_STAGES=stages, PREFETCH=prefetch):
                     att = TritonPagedAttention(tables, ctx, anc, bs, Hq // Hkv)
                     ms = cuda_ms(lambda: att(q, cache), warmup, iters)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile: report, go on
-                row[f"triton_{bm}x{bn}w{warps}s{stages}"] = f"error: {type(exc).__name__}: {str(exc)[:120]}"
+                row[f"triton_{cfg}"] = f"error: {type(exc).__name__}: {str(exc)[:120]}"
                 continue
-            row[f"triton_{bm}x{bn}w{warps}s{stages}_ms"] = ms
+            row[f"triton_{cfg}_ms"] = ms
             if best is None or ms < best[0]:
-                best = (ms, (bm, bn, warps, stages))
+                best = (ms, cfg)
         if best:
             row["triton_ms"], row["triton_config"] = best
         ref = TorchPagedAttention(tables, ctx, anc, bs, Hq // Hkv)
@@ -453,6 +454,7 @@ def bench_steps(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dic
     small_values = small_rows_values(args.small_rows_matmul)
     for variant, small in [(v, s) for v in attentions for s in small_values]:
         name = variant if len(small_values) == 1 else f"{variant}+srm{small}"
+        variant, _, extra = variant.partition("!")    # triton!KNOB=V:KNOB=V: any class knob, e.g. !PREFETCH=1
         variant, _, tiles = variant.partition("#")    # triton#BMxBN: pinned attention tiles
         variant, _, policy = variant.partition("@")   # triton@P:K: TARGET_PROGRAMS P, MIN_SPLIT_KEYS K
         attention, _, unfused = variant.partition("-")
@@ -461,15 +463,24 @@ def bench_steps(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dic
             knobs["TARGET_PROGRAMS"], knobs["MIN_SPLIT_KEYS"] = (int(v) for v in policy.split(":"))
         if tiles:
             knobs["BLOCK_M"], knobs["BLOCK_N"] = (int(v) for v in tiles.split("x"))
+        knobs.update({k: v for k, v in (kv.split("=") for kv in extra.split(":") if kv)})
+        blas = knobs.pop("BLAS", "default")     # !BLAS=cublaslt: torch's preferred BLAS library for the variant
+        knobs = {k: int(v) for k, v in knobs.items()}
         engine = Engine(model, num_blocks=max(batches) * per_seq + 8, block_size=16, attention=attention,
                         cuda_graphs=device.type == "cuda" and not args.no_graph,
                         fused=False if unfused == "unfused" else None, small_rows_matmul=small)
+        before = torch.backends.cuda.preferred_blas_library() if device.type == "cuda" else None
         try:
+            if device.type == "cuda" and blas != "default":
+                torch.backends.cuda.preferred_blas_library(blas)
             with attention_knobs(**knobs):
                 _steps(engine, args, config, batches, trees, name, ceil, rows)
         except Exception as exc:  # noqa: BLE001 - report, go on with the next variant
             rows.append({"attention": name, "error": f"{type(exc).__name__}: {exc}"[:600]})
             log("[step] failed:", rows[-1])
+        finally:
+            if before is not None:
+                torch.backends.cuda.preferred_blas_library(before)
         torch.cuda.empty_cache() if device.type == "cuda" else None
     model.fused_ops = False
     return rows
@@ -826,7 +837,8 @@ def main() -> int:
     p.add_argument("--attention", default="triton,torch",
                    help="engine variants to time: triton, torch, and either with -unfused (no fused.py kernels); "
                         "triton@P:K sets the key-split policy (about P programs, >= K keys per split), "
-                        "triton#MxN pins the attention tiles (both: triton@P:K#MxN)")
+                        "triton#MxN pins the attention tiles (both: triton@P:K#MxN), a last !KNOB=V:KNOB=V sets "
+                        "other TritonPagedAttention knobs (triton!PREFETCH=1), and !BLAS=cublaslt picks torch's BLAS library")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--no-graph", action="store_true")

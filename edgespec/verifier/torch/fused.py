@@ -113,29 +113,29 @@ if triton is not None:
 
     @triton.jit
     def _rope_store_kernel(QKV, Cos, Sin, Slots, KC, VC, QO, v_offset,
-                           H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr):
+                           H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, HEADS_P2: tl.constexpr):
+        """One program per token row and all its heads at once ([heads, D/2] tiles): RoPE on the q
+        and k heads, q to QO, k and v to their cache slot. (A program per (row, head) left 8192
+        one-warp programs at 512 rows: 6 us per layer on the H200 for 2 MB.)"""
         row = tl.program_id(0)
-        head = tl.program_id(1)
+        head = tl.arange(0, HEADS_P2)
         half = tl.arange(0, D // 2)
-        base = QKV + (row * (H_Q + 2 * H_KV) + head) * D
-        if head < H_Q + H_KV:
-            x1 = tl.load(base + half).to(tl.float32)
-            x2 = tl.load(base + D // 2 + half).to(tl.float32)
-            c = tl.load(Cos + row * (D // 2) + half)
-            s = tl.load(Sin + row * (D // 2) + half)
-            o1 = (x1 * c - x2 * s).to(QO.dtype.element_ty)
-            o2 = (x2 * c + x1 * s).to(QO.dtype.element_ty)
-            if head < H_Q:
-                dst = QO + (row * H_Q + head) * D
-            else:
-                slot = tl.load(Slots + row)
-                dst = KC + (slot * H_KV + head - H_Q) * D
-            tl.store(dst + half, o1)
-            tl.store(dst + D // 2 + half, o2)
-        else:
-            slot = tl.load(Slots + row)
-            d = tl.arange(0, D)
-            tl.store(VC + v_offset + (slot * H_KV + head - H_Q - H_KV) * D + d, tl.load(base + d))
+        ok = (head < H_Q + 2 * H_KV)[:, None]
+        src = QKV + (row * (H_Q + 2 * H_KV) + head)[:, None] * D + half[None, :]
+        x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(src + D // 2, mask=ok, other=0.0).to(tl.float32)
+        c = tl.load(Cos + row * (D // 2) + half)[None, :]
+        s = tl.load(Sin + row * (D // 2) + half)[None, :]
+        rotate = (head < H_Q + H_KV)[:, None]   # v heads are copied as they are
+        o1 = tl.where(rotate, x1 * c - x2 * s, x1).to(QO.dtype.element_ty)
+        o2 = tl.where(rotate, x2 * c + x1 * s, x2).to(QO.dtype.element_ty)
+        slot = tl.load(Slots + row)
+        q_dst = QO + (row * H_Q + head) * D
+        k_dst = KC + (slot * H_KV + head - H_Q) * D
+        v_dst = VC + v_offset + (slot * H_KV + head - H_Q - H_KV) * D
+        dst = tl.where(head < H_Q, q_dst, tl.where(head < H_Q + H_KV, k_dst, v_dst))[:, None] + half[None, :]
+        tl.store(dst, o1, mask=ok)
+        tl.store(dst + D // 2, o2, mask=ok)
 
     @triton.jit
     def _silu_mul_kernel(GU, O, F_: tl.constexpr, BLOCK: tl.constexpr):
@@ -363,8 +363,9 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: t
     rows = qkv.shape[0]
     D = cache.shape[-1]
     q = torch.empty(rows, n_head, D, dtype=qkv.dtype, device=qkv.device)
-    _rope_store_kernel[(rows, n_head + 2 * n_head_kv)](qkv, cos, sin, slots, cache, cache, q, cache.stride(0),
-                                                      H_Q=n_head, H_KV=n_head_kv, D=D, num_warps=1)
+    heads = n_head + 2 * n_head_kv
+    _rope_store_kernel[(rows,)](qkv, cos, sin, slots, cache, cache, q, cache.stride(0), H_Q=n_head, H_KV=n_head_kv,
+                                D=D, HEADS_P2=triton.next_power_of_2(heads), num_warps=4 if heads * D >= 2048 else 1)
     return q
 
 

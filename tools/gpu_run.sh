@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The whole GPU-host run of issue 9 (verifier speed, checks, real weights, end to end) as one script.
+# A lent GPU machine runs one command for at most 10 minutes and keeps /tmp only while it stays busy,
+# so the script runs in phases, one device call each, back to back on the same machine:
+#
+#   tools/gpu_run.sh experiments   # random weights: attention tile/prefetch sweep, step variants
+#   tools/gpu_run.sh verifier      # random weights: ceilings, checks, attention vs cuDNN, steps vs HF,
+#                                  #   prefill riding in verify steps, a kernel profile; gpt-fast beside it
+#   tools/gpu_run.sh real          # real weights: greedy equality, capacity with recorded drafts, GPU χ²
+#   tools/gpu_run.sh e2e           # real weights: the edge (0.5B draft on the host CPU) against the GPU
+#                                  #   verifier through the relay at RTT 0/20/50/100 ms
+#
+# Results go to $OUT (JSON, one file per tool). Before `real` and `e2e`, stage the two GGUFs under
+# $STAGE (../shared/gpu/stage.sh) and carry the wheels the GPU image lacks in .whl (llama-cpp-python,
+# gguf, grpcio and friends at the versions of constraints/ci.txt); the generated protobuf stubs travel
+# as `edgespec/v1`, the recorded drafts (bench_tau.py --record-trees) and the tokenized prompts in
+# .stage/, gpt-fast's model.py and step script in .gptfast/ (see docs/BENCHMARKS.md for the exact calls).
+set -uo pipefail
+phase=${1:?usage: tools/gpu_run.sh experiments|verifier|real|e2e}
+OUT=${OUT:-gpu_out}
+STAGE=${STAGE:-/tmp/stage}
+TARGET=$STAGE/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+DRAFT=$STAGE/qwen2.5-coder-0.5b-instruct.gguf
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
+ITERS=(--iters 30 --warmup 5)
+
+site() {  # the carried wheels, installed once per machine
+  if [ ! -e /tmp/site/.done ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && touch /tmp/site/.done || exit 3
+  fi
+}
+
+staged() {  # the GGUFs must be complete: sha256 as in ~/.cache/edgespec/models here
+  sha256sum "$TARGET" "$DRAFT" | tee "$OUT/sha256.txt"
+  grep -q '^cc324af0' "$OUT/sha256.txt" && grep -q '^1d961463' "$OUT/sha256.txt" || { echo "staged GGUFs incomplete"; exit 4; }
+}
+
+case $phase in
+  experiments)
+    python3 tools/bench_attention_tiles.py --grid quick --prefetch off,on --cells 8x64,1x64,1x16,1x1 --out "$OUT/tiles.json"
+    python3 tools/bench_gpu_verify.py --skip checks,matmuls,hf,capacity,mixed --trees 1,16,64 \
+      --attention 'triton,triton!PREFETCH=1,triton!BLAS=cublaslt' \
+      --attention-configs 0x0w4s0,0x0w4s0p,64x64w4s3p,64x64w4s2p,64x64w4s1p,64x32w4s2p,128x64w8s2p \
+      "${ITERS[@]}" --out "$OUT/variants.json"
+    ;;
+  verifier)
+    python3 tools/bench_gpu_verify.py --skip matmuls,capacity --trees 1,16,64 --attention triton \
+      --profile-cells 1x1,8x64 "${ITERS[@]}" --out "$OUT/verifier.json"
+    if [ -d .gptfast ]; then (cd .gptfast && OUT="$OLDPWD/$OUT" python3 step4.py); fi
+    ;;
+  real)
+    site; staged
+    python3 tools/bench_gpu_real.py --model "$TARGET" --prompts .stage/prompts_qwen.json --tokens 96 --out "$OUT/real.json"
+    python3 tools/bench_gpu_verify.py --skip ceilings,checks,attention,step,hf,mixed,capacity --model "$TARGET" \
+      --capacity-trace .stage/rec_trees.jsonl --capacity-rejoin --capacity-sessions 1,8,32 --capacity-trees 1,64 \
+      --capacity-s 3 --capacity-warmup-s 2 --out "$OUT/capacity.json"
+    python3 tools/check_gpu_sampling.py --trials 65536 --batch 32 --out "$OUT/gpu_sampling.json"
+    ;;
+  e2e)
+    site; staged
+    python3 tools/bench_link.py --local-link --rtts 0,20,50,100 --humaneval 2 --spec 1 --max-tokens 64 \
+      --warmup-tokens 24 --budget-min 7 --modes ar,chain4,adaptive --draft "$DRAFT" --target "$TARGET" \
+      --draft-threads 8 --verifier-args="--backend torch --device cuda" --plot "$OUT/e2e.png" --json "$OUT/e2e.json"
+    ;;
+  *) echo "unknown phase $phase"; exit 2 ;;
+esac

@@ -124,6 +124,39 @@ def test_long_prefill_takes_turns_with_other_sessions_verifies(mixed):
     assert b.engine.cache.pool.stats().used == 0
 
 
+def test_syncs_with_no_trees_prefill_as_steps_of_prefill_rows():
+    """Where prefill runs as verify-step rows (mixed_prefill, CUDA's default: replayed graphs there,
+    not eager forwards), Syncs with no tree to ride beside are steps of prefill rows of their own,
+    two Syncs in one step when they overlap, and so is a direct TorchSession.sync. Every context
+    ends as eager prefill leaves it: the next token equals that of a session prefilled eagerly."""
+    model = TransformerLM.random(ModelConfig.tiny("qwen2"), dtype=torch.float32, max_positions=N_CTX, seed=12)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 512, size=n).tolist() for n in (300, 170, 90)]
+    b = backend(model)
+    b.mixed_prefill = True
+    registry = SessionRegistry(b, max_sessions=3, max_batch=8)
+    streams = [registry.open_stream(), registry.open_stream()]
+    steps = b.engine.stats["steps"]
+    syncs = [threading.Thread(target=registry.sync, args=(st, p, time.monotonic())) for st, p in zip(streams, prompts)]
+    for t in syncs:
+        t.start()
+    for t in syncs:
+        t.join(timeout=120)
+    chunks = sum(-(-(len(p) - 1) // b.alone_chunk) for p in prompts[:2])
+    assert b.engine.stats["steps"] - steps >= -(-(len(prompts[0]) - 1) // b.alone_chunk), "not run as steps"
+    assert b.engine.stats["steps"] - steps <= chunks
+    assert registry.stats.prefill_chunks_mixed == 0 and registry.stats.prefill_turns == 0
+    for stream, prompt in zip(streams, prompts):
+        out = registry.verify_batched(stream, time.monotonic(), 0, root_tree(prompt[-1]), SamplingParams(), 0, 0)
+        assert out.result.tokens == alone(model, prompt, 1)
+    registry.close()
+    direct = b.open_session()
+    direct.sync(prompts[2])
+    assert direct.verify(root_tree(prompts[2][-1]), SamplingParams(), 0).tokens == alone(model, prompts[2], 1)
+    direct.close()
+    assert b.engine.cache.pool.stats().used == 0
+
+
 def test_a_sync_the_pool_cannot_hold_fails_that_session_alone():
     """Out of KV blocks in the middle of a chunked prefill: that Sync fails with OutOfBlocksError
     (RESOURCE_EXHAUSTED on the wire), its blocks go back to the pool, and another session goes on

@@ -522,14 +522,16 @@ def _steps(engine: Engine, args, config: ModelConfig, batches, trees, attention:
 def bench_mixed(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dict]:
     """Prefill riding in a verify step (TreeStep.prefill_chunk, what the service does with a Sync that
     arrives while trees are verified) against the two forwards it replaces: B trees of T nodes at
-    the context, and a separate eager chunk of T prompt tokens for one more session."""
+    the context, and a separate eager chunk of T prompt tokens for one more session. Also a Sync
+    alone: its T-token chunk as a step of its own (prefill rows, a replayed graph) against an eager
+    chunk of 4 T tokens (the backend's prefill_chunk)."""
     device = torch.device(args.device)
     model = TransformerLM.random(config, dtype=dtype, device=device, max_positions=args.context + 256)
     rng = np.random.default_rng(1)
     rows = []
     T = 64 if not args.small else 4
     for B in [int(b) for b in args.mixed_batches.split(",")]:
-        per_seq = -(-(args.context + 2 * T) // 16) + 2
+        per_seq = -(-(args.context + 5 * T) // 16) + 2
         engine = Engine(model, num_blocks=(B + 1) * per_seq + 8, block_size=16,
                         cuda_graphs=device.type == "cuda" and not args.no_graph)
         seqs = fill(engine, B + 1, args.context)
@@ -555,9 +557,20 @@ def bench_mixed(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dic
             engine.verify(trees + [TreeStep.prefill_chunk(late, chunk)])
             rewind()
 
+        def prefill_step() -> None:   # a Sync with no tree beside it, as the service now runs it on CUDA
+            engine.verify([TreeStep.prefill_chunk(late, chunk)])
+            rewind()
+
+        def prefill_eager_long() -> None:   # ... and as it ran before: eager chunks of prefill_chunk tokens
+            engine.append(late, long_chunk)
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            rewind()
+
+        long_chunk = rng.integers(0, config.vocab_size, size=4 * T).tolist()
         row = {"trees": B, "tree": T, "chunk": T, "context": args.context,
-               "bucket_alone": bucket(B), "bucket_mixed": bucket(B + 1)}
-        for name, fn in (("verify_ms", verify_only), ("prefill_ms", prefill_only), ("mixed_ms", mixed)):
+               "bucket_alone": bucket(B), "bucket_mixed": bucket(B + 1), "long_chunk": 4 * T}
+        for name, fn in (("verify_ms", verify_only), ("prefill_ms", prefill_only), ("mixed_ms", mixed),
+                         ("prefill_step_ms", prefill_step), ("prefill_eager_long_ms", prefill_eager_long)):
             row[name] = wall_ms(fn, args.warmup, args.iters)
         row["separate_ms"] = row["verify_ms"] + row["prefill_ms"]
         row["mixed_over_separate"] = round(row["mixed_ms"] / row["separate_ms"], 3)

@@ -142,8 +142,8 @@ class TorchSession(BackendSession):
 
 class PrefillWork:
     """A sync in progress: the committed context's K/V still to compute (all tokens but the last,
-    which is the root of the next tree). Advanced one chunk at a time, either alone (run_chunk:
-    an eager forward without logits) or as a chain riding in a verify step (TorchBackend.verify_many
+    which is the root of the next tree). Advanced one chunk at a time, either alone (run_chunk, or
+    verify_many with no trees) or as a chain riding in a verify step (TorchBackend.verify_many
     with prefills=...); `finished` commits the context."""
 
     def __init__(self, session: TorchSession, tokens: list[int]) -> None:
@@ -175,10 +175,15 @@ class PrefillWork:
             self.session.committed = self.tokens
 
     def run_chunk(self) -> None:
-        """One standalone chunk of `prefill_chunk` tokens (eager, no logits)."""
-        engine = self.session.engine
+        """One standalone chunk: where the backend runs prefill as verify-step rows (mixed_prefill:
+        CUDA), a chain of `alone_chunk` tokens verified as its own step, i.e. a replayed CUDA graph;
+        else an eager forward of `prefill_chunk` tokens without logits."""
+        backend = self.session.backend
         if self.remaining > 0:
-            engine.append(self.session.seq, self.next_chunk(engine.prefill_chunk))
+            if backend.mixed_prefill:
+                backend.engine.verify([TreeStep.prefill_chunk(self.session.seq, self.next_chunk(backend.alone_chunk))])
+            else:
+                backend.engine.append(self.session.seq, self.next_chunk(backend.engine.prefill_chunk))
         self.advanced()
 
 
@@ -292,7 +297,8 @@ class TorchBackend(Backend):
         and advance syncs in `prefills` by one chunk each: in the same forward as a chain of up to
         max(min(MIXED_CHUNK, prefill_chunk), the trees' bucket) tokens (as many as fit the rows the
         batch bucket pads to, and at least one; the rest wait for a later batch), or, when there
-        is no tree to verify, alone (`prefill_chunk` tokens, no logits).
+        is no tree to verify, alone: on CUDA all of them as one step of prefill rows (`alone_chunk`
+        tokens each, a replayed graph), elsewhere each an eager chunk of `prefill_chunk` tokens.
 
         A request that fails its checks gets its exception back and the others still run; if the
         forward itself fails, every request in it gets that exception (their sessions are then in
@@ -319,13 +325,16 @@ class TorchBackend(Backend):
             kept_steps.append(step)
             kept_index.append(i)
         steps, index = kept_steps, kept_index
-        if not steps:
-            for work in prefills:
-                work.ran = True
-                try:
-                    work.run_chunk()
-                except Exception as exc:  # noqa: BLE001 - that sync alone fails
-                    work.error = exc
+        if not steps:   # syncs alone: on CUDA one step of prefill rows for all of them, else eager chunks
+            if self.mixed_prefill:
+                self._run_riders(self._riders(prefills, self.alone_chunk, limit=len(prefills), mixed=False))
+            else:
+                for work in prefills:
+                    work.ran = True
+                    try:
+                        work.run_chunk()
+                    except Exception as exc:  # noqa: BLE001 - that sync alone fails
+                        work.error = exc
             self.engine.between_steps()
             return results  # type: ignore[return-value]
         chunk = max(min(MIXED_CHUNK, self.engine.prefill_chunk), bucket(max(len(s.tokens) for s in steps)))
@@ -349,10 +358,30 @@ class TorchBackend(Backend):
         self.engine.between_steps()
         return results  # type: ignore[return-value]
 
+    @property
+    def alone_chunk(self) -> int:
+        """Tokens per chunk of a sync prefilled as a step of its own (rows of the trees' T = 64 bucket,
+        so no graph beyond the verify steps' own is captured for it)."""
+        return min(MIXED_CHUNK, self.engine.prefill_chunk)
+
+    def _run_riders(self, riders: list[tuple[PrefillWork, TreeStep]]) -> None:
+        """Prefill rows with no tree beside them, as one step; a failure fails those syncs."""
+        if not riders:
+            return
+        try:
+            self.engine.verify([step for _, step in riders])
+        except Exception as exc:  # noqa: BLE001 - these syncs fail, the service goes on
+            for work, _ in riders:
+                work.error = exc
+            return
+        for work, _ in riders:
+            work.advanced()
+
     @staticmethod
-    def _riders(prefills: Sequence[PrefillWork], chunk: int, limit: int) -> list[tuple[PrefillWork, TreeStep]]:
-        """Up to `limit` unfinished syncs' next chunks as prefill rows of the verify step (blocks
-        reserved); the others wait for a later batch."""
+    def _riders(prefills: Sequence[PrefillWork], chunk: int, limit: int,
+                mixed: bool = True) -> list[tuple[PrefillWork, TreeStep]]:
+        """Up to `limit` unfinished syncs' next chunks as prefill rows of a step (blocks reserved),
+        beside verify trees (`mixed`) or alone; the others wait for a later batch."""
         riders = []
         for work in prefills:
             if work.remaining <= 0:
@@ -367,7 +396,7 @@ class TorchBackend(Backend):
                 work.error = exc
                 continue
             riders.append((work, step))
-            work.rode = work.ran = True
+            work.ran, work.rode = True, mixed
         return riders
 
     def kv_usage(self) -> KVUsage:

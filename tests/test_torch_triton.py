@@ -24,9 +24,8 @@ def test_pack_ancestor_bits():
     assert bits[0, 0].tolist() == [1 - 2 ** 31, 0] and bits[0, 1].tolist() == [2, 2]
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("nsplit", [1, 3, 5])
-def test_triton_kernel_equals_reference(nsplit, prefetch):
+def test_triton_kernel_equals_reference(nsplit):
     g = torch.Generator().manual_seed(nsplit)
     rng = np.random.default_rng(nsplit)
     B, T, Hkv, G, D, bs = 3, 20, 2, 3, 32, 4
@@ -48,7 +47,7 @@ def test_triton_kernel_equals_reference(nsplit, prefetch):
     q = torch.randn(B, T, Hkv * G, D, generator=g)
     ref = TorchPagedAttention(tables, ctx, anc, bs, G)(q, cache)
     kernel = TritonPagedAttention(tables, ctx, anc, bs, G, nsplit=nsplit)
-    kernel.BLOCK_M, kernel.BLOCK_N, kernel.PREFETCH = 16, 16, prefetch
+    kernel.BLOCK_M, kernel.BLOCK_N = 16, 16
     out = kernel(q, cache)
     for b, n in enumerate(sizes):
         assert torch.allclose(out[b, :n], ref[b, :n], atol=1e-5), float((out[b, :n] - ref[b, :n]).abs().max())
@@ -190,15 +189,13 @@ def test_fused_forward_small_rows_matmul_equals_cublas_path(monkeypatch):
     assert torch.allclose(out[0], out[1], atol=1e-4), float((out[0] - out[1]).abs().max())
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_engine_with_triton_kernels_equals_plain_torch_path(prefetch, monkeypatch):
+def test_engine_with_triton_kernels_equals_plain_torch_path():
     """The whole forward as the GPU runs it (fused norms, RoPE + cache stores, SiLU; the Triton tree
-    attention, with or without the prefetched key tiles), interpreted on the CPU, against the plain
+    attention), interpreted on the CPU, against the plain
     float32 torch path: a prefilled context, then a branching tree step."""
     from edgespec.verifier.torch.engine import Engine
     from edgespec.verifier.torch.model import ModelConfig, TransformerLM
 
-    monkeypatch.setattr(TritonPagedAttention, "PREFETCH", prefetch)
     model = TransformerLM.random(ModelConfig.tiny("qwen2"), dtype=torch.float32, seed=8)
     rng = np.random.default_rng(9)
     prefix = rng.integers(0, 512, size=23).tolist()

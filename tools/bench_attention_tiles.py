@@ -4,11 +4,11 @@ bench_gpu_verify.py's `attention` section times the kernel on the BASELINES.md s
 long contexts); this one times it where the step spends it: the Qwen2.5-1.5B heads (12/2, d 128),
 context 1024, B sessions x T tree tokens, 28 calls (one per layer) captured in one CUDA graph. For
 each cell it reports the kernel's default (TritonPagedAttention.launch_config) and every
-(BLOCK_M, BLOCK_N, warps, stages, splits, prefetch) in the grid, fastest first, with the largest difference
+(BLOCK_M, BLOCK_N, warps, stages, splits) in the grid, fastest first, with the largest difference
 from the default's output. CUDA only.
 
     PYTHONPATH=. python3 tools/bench_attention_tiles.py --cells 8x64,1x64,1x1 --out sweep.json
-    PYTHONPATH=. python3 tools/bench_attention_tiles.py --grid quick --prefetch off,on --out sweep.json
+    PYTHONPATH=. python3 tools/bench_attention_tiles.py --grid quick --out sweep.json
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ GRIDS = {   # (BLOCK_M, BLOCK_N, warps, stages, splits) candidates; BLOCK_M None
 
 
 def sweep(B: int, T: int, context: int, heads: tuple[int, int], rng: np.random.Generator,
-          grid: str = "full", prefetch: tuple[bool, ...] = (False,)) -> dict:
+          grid: str = "full") -> dict:
     hq, hkv = heads
     D, bs = 128, 16
     blocks = -(-(context + T) // bs) + 4
@@ -74,19 +74,18 @@ def sweep(B: int, T: int, context: int, heads: tuple[int, int], rng: np.random.G
     default = TritonPagedAttention(tables, ctx, anc, bs, hq // hkv)
     bm0, bn0, stages0, splits0 = default.launch_config(B, rows, hkv)
     cell = {"batch": B, "tree": T, "context": context,
-            "default": [bm0, bn0, default.NUM_WARPS, stages0, splits0, default.PREFETCH],
+            "default": [bm0, bn0, default.NUM_WARPS, stages0, splits0],
             "default_us": per_step_us(lambda: default(q, cache))}
     reference = default(q, cache).float()
     tiles_m, tiles_n, warp_counts, stage_counts, split_counts = GRIDS[grid]
     tiles = [16] if rows <= 16 else (tiles_m or ([32, 64] if rows <= 96 else [64, 128]))
     results = []
-    for bm, bn, warps, stages, splits, pre in itertools.product(tiles, tiles_n, warp_counts, stage_counts,
-                                                                 split_counts, prefetch):
+    for bm, bn, warps, stages, splits in itertools.product(tiles, tiles_n, warp_counts, stage_counts, split_counts):
         if bm * bn >= 128 * 128 and warps == 4:
             continue
-        config = [bm, bn, warps, stages, splits, pre]
+        config = [bm, bn, warps, stages, splits]
         try:
-            with attention_knobs(BLOCK_M=bm, BLOCK_N=bn, NUM_WARPS=warps, NUM_STAGES=stages, PREFETCH=pre):
+            with attention_knobs(BLOCK_M=bm, BLOCK_N=bn, NUM_WARPS=warps, NUM_STAGES=stages):
                 att = TritonPagedAttention(tables, ctx, anc, bs, hq // hkv, nsplit=splits)
                 us = per_step_us(lambda: att(q, cache))
                 diff = (att(q, cache).float() - reference).abs().max().item()
@@ -105,7 +104,6 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--heads", default="12/2", help="query/KV heads (Qwen2.5-1.5B: 12/2)")
     ap.add_argument("--grid", choices=sorted(GRIDS), default="full")
-    ap.add_argument("--prefetch", default="off", help="off, on or off,on: TritonPagedAttention.PREFETCH values")
     ap.add_argument("--out", default="attention_tiles.json")
     args = ap.parse_args()
     heads = tuple(int(h) for h in args.heads.split("/"))
@@ -113,8 +111,7 @@ def main() -> int:
     cells = []
     for spec in args.cells.split(","):
         B, T = (int(v) for v in spec.split("x"))
-        cell = sweep(B, T, args.context, heads, rng, args.grid,
-                     tuple(v == "on" for v in args.prefetch.split(",")))
+        cell = sweep(B, T, args.context, heads, rng, args.grid)
         cells.append(cell)
         best = cell["results"][0] if cell["results"] else None
         print(json.dumps({"batch": B, "tree": T, "default": cell["default"], "default_us": round(cell["default_us"], 1),

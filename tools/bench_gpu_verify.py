@@ -263,13 +263,12 @@ def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict,
         row = {"batch": B, "context": L, "tree": T, "floor_ms": floor, "hbm_floor_ms": kv_bytes / ceil["copy_bytes_per_s"] * 1000,
                "compute_floor_ms": flops / ceil["bf16_flop_per_s"] * 1000}
         best = None
-        for cfg in configs.split(","):   # "BMxBNwWARPSsSTAGES[p]", 0x0: the kernel's own choice; p: PREFETCH
-            prefetch = cfg.endswith("p")
-            tile, _, rest = cfg.removesuffix("p").partition("w")
+        for cfg in configs.split(","):   # "BMxBNwWARPSsSTAGES", 0x0: the kernel's own choice
+            tile, _, rest = cfg.partition("w")
             bm, bn = (int(v) for v in tile.split("x"))
             warps, stages = (int(v) for v in rest.split("s"))
             try:
-                with attention_knobs(BLOCK_M=bm, BLOCK_N=bn, NUM_WARPS=warps, NUM_STAGES=stages, PREFETCH=prefetch):
+                with attention_knobs(BLOCK_M=bm, BLOCK_N=bn, NUM_WARPS=warps, NUM_STAGES=stages):
                     att = TritonPagedAttention(tables, ctx, anc, bs, Hq // Hkv)
                     ms = cuda_ms(lambda: att(q, cache), warmup, iters)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile: report, go on
@@ -454,7 +453,7 @@ def bench_steps(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dic
     small_values = small_rows_values(args.small_rows_matmul)
     for variant, small in [(v, s) for v in attentions for s in small_values]:
         name = variant if len(small_values) == 1 else f"{variant}+srm{small}"
-        variant, _, extra = variant.partition("!")    # triton!KNOB=V:KNOB=V: any class knob, e.g. !PREFETCH=1
+        variant, _, extra = variant.partition("!")    # triton!KNOB=V:KNOB=V: any class knob, e.g. !NUM_WARPS=8
         variant, _, tiles = variant.partition("#")    # triton#BMxBN: pinned attention tiles
         variant, _, policy = variant.partition("@")   # triton@P:K: TARGET_PROGRAMS P, MIN_SPLIT_KEYS K
         attention, _, unfused = variant.partition("-")
@@ -851,7 +850,7 @@ def main() -> int:
                    help="engine variants to time: triton, torch, and either with -unfused (no fused.py kernels); "
                         "triton@P:K sets the key-split policy (about P programs, >= K keys per split), "
                         "triton#MxN pins the attention tiles (both: triton@P:K#MxN), a last !KNOB=V:KNOB=V sets "
-                        "other TritonPagedAttention knobs (triton!PREFETCH=1), and !BLAS=cublaslt picks torch's BLAS library")
+                        "other TritonPagedAttention knobs (triton!NUM_WARPS=8), and !BLAS=cublaslt picks torch's BLAS library")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--no-graph", action="store_true")

@@ -3,7 +3,7 @@
 # A lent GPU machine runs one command for at most 10 minutes and keeps /tmp only while it stays busy,
 # so the script runs in phases, one device call each, back to back on the same machine:
 #
-#   tools/gpu_run.sh experiments   # random weights: attention tile/prefetch sweep, step variants
+#   tools/gpu_run.sh experiments   # random weights: attention tile sweep, step and attention variants
 #   tools/gpu_run.sh verifier      # random weights: ceilings, checks, attention vs cuDNN, steps vs HF,
 #                                  #   prefill riding in verify steps, a kernel profile; gpt-fast beside it
 #   tools/gpu_run.sh real          # real weights: greedy equality, capacity with recorded drafts, GPU χ²
@@ -39,10 +39,9 @@ staged() {  # the GGUFs must be complete: sha256 as in ~/.cache/edgespec/models 
 
 case $phase in
   experiments)
-    python3 tools/bench_attention_tiles.py --grid quick --prefetch off,on --cells 8x64,1x64,1x16,1x1 --out "$OUT/tiles.json"
+    python3 tools/bench_attention_tiles.py --grid quick --cells 8x64,1x64,1x16,1x1 --out "$OUT/tiles.json"
     python3 tools/bench_gpu_verify.py --skip checks,matmuls,hf,capacity,mixed --trees 1,16,64 \
-      --attention 'triton,triton!PREFETCH=1,triton!BLAS=cublaslt' \
-      --attention-configs 0x0w4s0,0x0w4s0p,64x64w4s3p,64x64w4s2p,64x64w4s1p,64x32w4s2p,128x64w8s2p \
+      --attention 'triton,triton!BLAS=cublaslt' --attention-configs 0x0w4s0,64x64w4s3,128x32w4s2 \
       "${ITERS[@]}" --out "$OUT/variants.json"
     ;;
   verifier)

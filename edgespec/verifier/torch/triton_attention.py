@@ -62,47 +62,11 @@ def _tile(q, KV, Tables, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, 
 
 
 @triton.jit
-def _load_kv(KV, Tables, b, h, d, j0, end, kv_stride_kv, n_tables,
-             H_KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """K and V of keys j0..j0+BLOCK_N-1 through the block table; keys at or past `end` read nothing."""
-    j = j0 + tl.arange(0, BLOCK_N)
-    key_ok = j < end
-    blk = tl.load(Tables + b * n_tables + j // BS, mask=key_ok, other=0)
-    k_ptr = KV + ((blk * BS + j % BS) * H_KV + h)[:, None] * D + d[None, :]
-    return tl.load(k_ptr, mask=key_ok[:, None], other=0.0), tl.load(k_ptr + kv_stride_kv, mask=key_ok[:, None], other=0.0)
-
-
-@triton.jit
-def _update(q, k, v, Bits, m_i, l_i, acc, b, t, row_ok, ctx, j0, end, plain_end, qk_scale, T, W, BLOCK_N: tl.constexpr):
-    """Online softmax over one key tile already in registers; only a tile reaching past
-    min(end, ctx) (context tail, tree, split end) computes a mask."""
-    s = tl.dot(q, tl.trans(k)) * qk_scale
-    if j0 + BLOCK_N > plain_end:
-        j = j0 + tl.arange(0, BLOCK_N)
-        key_ok = j < end
-        rel = j - ctx
-        in_tree = (rel >= 0) & (rel < T) & key_ok
-        rel = tl.where(in_tree, rel, 0)
-        word = tl.load(Bits + (b * T + t)[:, None] * W + (rel // 32)[None, :],
-                       mask=row_ok[:, None] & in_tree[None, :], other=0)
-        bit = (word >> (rel % 32)[None, :]) & 1
-        visible = ((j < ctx)[None, :] | (bit != 0) | (j == 0)[None, :]) & key_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
                      sm_scale, kv_stride_kv, n_tables, T, G, W, MT,
                      MAX_TILES: tl.constexpr, INTERPRET: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr,
                      D: tl.constexpr, BS: tl.constexpr,
-                     NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
+                     NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -127,22 +91,7 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp2 below
-    if PREFETCH:
-        # the next tile's K/V loads are issued before this tile's products (a register double buffer),
-        # so each tile's memory latency overlaps the previous tile's arithmetic instead of stalling a
-        # loop of only a few tiles (128-256 keys per split in a verify step)
-        plain_end = tl.minimum(end, ctx)
-        k, v = _load_kv(KV, Tables, b, h, d, start, end, kv_stride_kv, n_tables, H_KV, D, BS, BLOCK_N)
-        # the interpreter loops only to a host int (MAX_TILES; tiles past `end` read nothing)
-        n_tiles = tl.cdiv(end - start, BLOCK_N)
-        for it in range(0, MAX_TILES if INTERPRET else n_tiles):
-            j0 = start + it * BLOCK_N
-            k_next, v_next = _load_kv(KV, Tables, b, h, d, j0 + BLOCK_N, end, kv_stride_kv, n_tables, H_KV, D, BS,
-                                      BLOCK_N)
-            m_i, l_i, acc = _update(q, k, v, Bits, m_i, l_i, acc, b, t, row_ok, ctx, j0, end, plain_end, qk_scale,
-                                    T, W, BLOCK_N)
-            k, v = k_next, v_next
-    elif INTERPRET:  # the CPU interpreter (tests) loops only to a host int: the bucket's maximum
+    if INTERPRET:  # the CPU interpreter (tests) loops only to a host int: the bucket's maximum
         for it in range(0, MAX_TILES):
             if start + (it + 1) * BLOCK_N <= tl.minimum(end, ctx):  # a Python branch when interpreted
                 m_i, l_i, acc = _tile(q, KV, Tables, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, start + it * BLOCK_N,
@@ -213,7 +162,6 @@ class TritonPagedAttention:
     BLOCK_N = 0
     NUM_WARPS = 4
     NUM_STAGES = 0   # 0: chosen with the key tile (tile_config)
-    PREFETCH = False  # True: the next key tile's loads are issued before this tile's products (_keys_prefetched)
     LONG_SPLIT_KEYS = 1024  # a split of at least this many keys gets 64-key tiles and 3 stages
     TARGET_PROGRAMS = 384   # key splits aim at about this many programs (~3 waves of the H200's 132 SMs) ...
     MIN_SPLIT_KEYS = 128    # ... but give each split at least this many keys (fewer partials to write and merge)
@@ -276,7 +224,6 @@ class TritonPagedAttention:
             1.0 / math.sqrt(D), cache.stride(0), self.tables.shape[1], T, G, W, MT,
             MAX_TILES=triton.cdiv(triton.cdiv(self.max_keys + T, block_n), ns) if INTERPRET else 0,
             INTERPRET=INTERPRET, H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=block_m, BLOCK_N=block_n,
-            PREFETCH=self.PREFETCH,
             num_warps=self.NUM_WARPS, num_stages=stages)
         if ns > 1:
             _tree_attn_merge[(B * Hkv, MT)](acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns,

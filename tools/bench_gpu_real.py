@@ -12,8 +12,9 @@ the GPU host has no tokenizer). For each prompt:
    each level with a wrong sibling and, at random, a wrong token that ends the path early (so paths
    of every length get accepted and rejected); the output must equal target-only token for token.
    At a divergence the tree step's own logits row for the deciding node (the engine's static
-   output of that very step) is compared with the target-only row for the same position: it is
-   explained by numerics when each row's argmax is the token that path emitted.
+   output of that very step) is compared with the target-only step's own top logits at the same
+   position (recorded in that step): it is explained by numerics when each row's argmax is the
+   token that path emitted and the other path's token is a runner-up there (the gaps are reported).
 Step times: median `verify` wall time of the target-only and the speculative steps.
 """
 from __future__ import annotations
@@ -37,19 +38,25 @@ from edgespec.verifier.torch.backend import TorchBackend  # noqa: E402
 GREEDY = SamplingParams()
 
 
-def target_only(backend: TorchBackend, prompt: list[int], n: int) -> tuple[list[int], list[float], list[float]]:
+TOP = 8   # the target-only step's own top logits kept per position, to explain a divergence there
+
+
+def target_only(backend: TorchBackend, prompt: list[int], n: int) -> tuple[list[int], list[float], list[float], list]:
+    """Target-only greedy tokens, margins and step times, and each step's own top-TOP (ids, logits)."""
     s = backend.open_session()
     s.sync(prompt)
-    out, margins, times = [], [], []
+    out, margins, times, tops = [], [], [], []
     while len(out) < n:
         tree = TokenTree(tokens=np.array([s.committed[-1]]), parents=np.array([-1]))
         t = time.perf_counter()
         r = s.verify(tree, GREEDY, len(out))
         times.append(time.perf_counter() - t)
+        top = backend.engine.last_logits()[0, 0].float().topk(TOP)
+        tops.append((top.indices.tolist(), top.values.tolist()))
         out += r.tokens
         margins += r.margins
     s.close()
-    return out[:n], margins[:n], times
+    return out[:n], margins[:n], times, tops[:n]
 
 
 def row_at(backend: TorchBackend, b: int, node: int) -> np.ndarray:
@@ -57,23 +64,28 @@ def row_at(backend: TorchBackend, b: int, node: int) -> np.ndarray:
 
 
 def explain(backend: TorchBackend, prompt: list[int], ref: list[int], got: list[int], j: int,
-            tree_row: np.ndarray) -> dict:
+            tree_row: np.ndarray, own_top: tuple[list[int], list[float]]) -> dict:
     """At the first divergence j: the tree step's own logits row for the deciding node (tree_row)
-    and the target-only step's row for the same position, recomputed in its own batch shape."""
+    against the target-only step's own top logits at that position (own_top, recorded in that very
+    step), and the same position recomputed target-only after a fresh sync (its context K/V then
+    come from prefill rows, not from single-token steps: another batch shape again)."""
     s = backend.open_session()
     s.sync(prompt + ref[:j])
     s.verify(TokenTree(tokens=np.array([s.committed[-1]]), parents=np.array([-1])), GREEDY, 0)
-    ar_row = row_at(backend, 0, 0)
+    again = row_at(backend, 0, 0)
     s.close()
     a, b = ref[j], got[j]
+    ids, values = own_top
+    own = dict(zip(ids, values))
     return {"target_only_token": a, "tree_token": b,
-            "tree_row_argmax": int(tree_row.argmax()), "target_only_row_argmax": int(ar_row.argmax()),
-            "tree_row_gap": float(tree_row[b] - tree_row[a]), "target_only_row_gap": float(ar_row[a] - ar_row[b]),
-            "row_max_abs_diff": float(np.abs(tree_row - ar_row).max()),
-            "explained": bool(tree_row.argmax() == b and ar_row.argmax() == a)}
+            "tree_row_argmax": int(tree_row.argmax()), "tree_row_gap": float(tree_row[b] - tree_row[a]),
+            "own_row_argmax": ids[0], "own_row_gap": float(own[a] - own[b]) if b in own else None,
+            "recomputed_row_argmax": int(again.argmax()), "recomputed_row_gap": float(again[a] - again[b]),
+            "row_max_abs_diff": float(np.abs(tree_row - again).max()),
+            "explained": bool(tree_row.argmax() == b and ids[0] == a and b in own)}
 
 
-def speculative(backend: TorchBackend, prompt: list[int], ref: list[int], depth: int,
+def speculative(backend: TorchBackend, prompt: list[int], ref: list[int], tops: list, depth: int,
                 rng: np.random.Generator) -> tuple[list[int], list[float], int, int, dict | None]:
     s = backend.open_session()
     s.sync(prompt)
@@ -102,7 +114,7 @@ def speculative(backend: TorchBackend, prompt: list[int], ref: list[int], depth:
             deciding = ([0, *r.path])[j - before]
             tree_row = row_at(backend, 0, deciding)
             s.close()
-            return out[:len(ref)], times, steps, accepted, explain(backend, prompt, ref, out, j, tree_row)
+            return out[:len(ref)], times, steps, accepted, explain(backend, prompt, ref, out, j, tree_row, tops[j])
     s.close()
     return out[:len(ref)], times, steps, accepted, None
 
@@ -123,8 +135,8 @@ def main() -> int:
     rng = np.random.default_rng(0)
     rows = []
     for i, prompt in enumerate(prompts):
-        ref, margins, t_ar = target_only(backend, prompt, args.tokens)
-        got, t_spec, steps, accepted, why = speculative(backend, prompt, ref, args.depth, rng)
+        ref, margins, t_ar, tops = target_only(backend, prompt, args.tokens)
+        got, t_spec, steps, accepted, why = speculative(backend, prompt, ref, tops, args.depth, rng)
         first = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), None)
         row = {"prompt": i, "prompt_tokens": len(prompt), "tokens": len(ref), "equal": got == ref,
                "first_divergence": first, "margin_there": None if first is None else margins[first],

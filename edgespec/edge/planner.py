@@ -224,9 +224,13 @@ class Planner:
         count, mean = self.realized.get(rung, (0, 0.0))
         tokens = 1.0 + float(obs.accepted.sum())
         # Acceptance depends on the text: a request's first tree of a shape replaces what the shape
-        # realized on earlier requests, its later trees average in (1/2, 1/3, ...) down to the window's
-        # weight. (Weighted 1/2, a code request's first chain4 tree after prose left chain4 below target-only
-        # decoding, and the answer ran target-only at 0.93x cloud AR where chain4 ran 1.74x: 2-core box, 2026-12-01.)
+        # realized on earlier requests when it did better, its later trees average in (1/2, 1/3, ...)
+        # down to the window's weight. (Weighted 1/2, a code request's first chain4 tree after prose left
+        # chain4 below target-only decoding, and the answer ran target-only at 0.93x cloud AR where chain4
+        # ran 1.74x: 2-core box, 2026-12-01.) A first tree that did worse only halves the gap: one unlucky
+        # tree would write the shape off for the whole request, and a shape not chosen gets no evidence,
+        # while an overrated one corrects itself on its next tree. (Replaced outright, prose after code
+        # went target-only after a few trees at 100 ms and ran 1.0x AR where chain4 ran 1.7x: H200 host.)
         seen = self._request_trees.get(rung, 0)
         self._request_trees[rung] = seen + 1
         if obs.nodes:
@@ -237,7 +241,8 @@ class Planner:
             # accepted to the shape's full depth (not only a pruned tree's): does the next shape up pay too?
             if self.requests and k >= self.ladder[rung].max_depth and rung + 1 not in self._request_trees:
                 self._try_next = rung + 1
-        weight = max(1 / min(count + 1, REALIZED_WINDOW), 1 / (seen + 1))
+        first_worse = seen == 0 and count and tokens < mean
+        weight = max(1 / min(count + 1, REALIZED_WINDOW), 1 / (seen + 2) if first_worse else 1 / (seen + 1))
         self.realized[rung] = (count + 1, mean + (tokens - mean) * weight)
         if obs.depths is not None:  # before the bins learn from this step: predicted out of sample
             d = np.minimum(obs.depths, MAX_TRACKED_DEPTH)
@@ -296,22 +301,23 @@ class Planner:
 
     def expected_tokens(self, rung: int, typical: tuple[float, float] | None = None) -> float:
         """1 + expected accepted drafts for a ladder rung: what it achieved in this request; for a
-        shape this request has not drafted, what this request's acceptance along the path predicts
-        for it (a code answer drafted with chain2 accepting 0.95 of its nodes predicts chain4's
-        4.5), once the request has tried REQUEST_EVIDENCE nodes; else the running mean of earlier
-        requests (after 3 uses), else a guess from the calibrated acceptance of a typical tree
-        (depth d of a chain is accepted with probability a^d, a = acceptance of confident nodes).
+        shape this request has not drafted, the running mean of earlier requests (after 3 uses), else
+        a guess from the calibrated acceptance of a typical tree (depth d of a chain is accepted with
+        probability a^d, a = acceptance of confident nodes), or what this request's acceptance along
+        the path predicts for it when that is more (a code answer drafted with chain2 accepting 0.95
+        of its nodes predicts chain4's 4.5), once the request has tried REQUEST_EVIDENCE nodes.
         typical: (a, a_sibling) when the caller has them already."""
         count, mean = self.realized.get(rung, (0, 0.0))
         if self.requests and rung in self._request_trees:
             return mean
         a, a_sibling = typical or self.typical_acceptance()
+        earlier = mean if count >= 3 else tree_tokens(self.ladder[rung], a, a_sibling)
         accepted, tried = self._request_path
         if self.requests and tried >= REQUEST_EVIDENCE:   # a shape not drafted in this request: this request's acceptance
-            return tree_tokens(self.ladder[rung], (accepted + 1) / (tried + 2), a_sibling)
-        if count >= 3:
-            return mean
-        return tree_tokens(self.ladder[rung], a, a_sibling)
+            # raises it (code after prose), but does not write it off before one of its own trees has
+            # been seen (prose after code: as for a first tree that did worse, see observe)
+            return max(tree_tokens(self.ladder[rung], (accepted + 1) / (tried + 2), a_sibling), earlier)
+        return earlier
 
     def typical_acceptance(self) -> tuple[float, float]:
         """Calibrated acceptance of a confident node (score 0.9) and of an unlikely one (0.1)."""

@@ -51,7 +51,7 @@ case $phase in
   real)
     site; staged
     python3 tools/bench_gpu_real.py --model "$TARGET" --prompts .stage/prompts_qwen.json --tokens 96 --out "$OUT/real.json"
-    python3 tools/bench_gpu_verify.py --skip ceilings,checks,attention,step,hf,mixed,capacity --model "$TARGET" \
+    python3 tools/bench_gpu_verify.py --skip ceilings,checks,attention,matmuls,step,hf,mixed,capacity --model "$TARGET" \
       --capacity-trace .stage/rec_trees.jsonl --capacity-rejoin --capacity-sessions 1,8,32 --capacity-trees 1,64 \
       --capacity-s 3 --capacity-warmup-s 2 --out "$OUT/capacity.json"
     python3 tools/check_gpu_sampling.py --trials 65536 --batch 32 --out "$OUT/gpu_sampling.json"

@@ -340,6 +340,26 @@ def test_a_pruned_tree_accepted_whole_does_not_climb():
     p.observe(StepObservation(nodes=1, draft_s=0.06, draft_decodes=2, network_s=0.05, bytes_up=56, verify_s=0.22,
                               queue_s=0.0, scores=np.array([0.9]), accepted=np.ones(1, bool),
                               depths=np.array([1]), shape="chain2"))
-    assert p._try_next is None
+    assert p._try_next != 2                               # no climb (the request's own try may still wait)
     observe_tree(p, "chain2", 2, 2)                       # a whole chain2 accepted: this one counts
     assert p._try_next == 2
+
+
+def test_a_fresh_session_tries_a_drafted_shape_only_after_one_measured_step():
+    """The first request's try of a small drafted shape waits for one measured step: with only the
+    priors (a CPU-like 50 ms per verified node) drafting looks worth a try even next to a GPU
+    verifier, where a target-only step takes 3.5 ms and a draft decode 15 ms; measured, it is not
+    tried there, and it still is where a target-only step takes 250 ms."""
+    def first_two(verify_s, network_s):
+        p = Planner()
+        p.begin_request()
+        first = p.choose()
+        p.observe(StepObservation(nodes=0, draft_s=0.0, draft_decodes=0, network_s=network_s, bytes_up=48,
+                                  verify_s=verify_s, queue_s=0.0, scores=np.zeros(0), accepted=np.zeros(0, bool)))
+        p.draft_per_decode_s = 0.015
+        return first, p.choose()
+
+    first, second = first_two(verify_s=0.0025, network_s=0.001)   # a GPU verifier nearby
+    assert first == TreeShape.target_only() and second == TreeShape.target_only()
+    first, second = first_two(verify_s=0.2, network_s=0.05)        # a CPU verifier 50 ms away
+    assert first == TreeShape.target_only() and second.budget > 0

@@ -357,11 +357,12 @@ class Planner:
         (the router's planner passes its arm's)."""
         best = int(np.argmax(rates))
         self.exploring = False
-        # The try waits for one measured step: before it, every price is a prior. (On the H200 host the
-        # priors' 50 ms target-only step let a fresh session's first request draft at 0 ms, where a
-        # target-only step takes 3.5 ms: 0.04 s of the answer's 0.75 s, 2026-12-01.)
-        n = self._try_next if self.steps else None
-        self._try_next = self._try_next if not self.steps else None
+        # A try waits for one measured step: before it every price is a prior. (On the H200 host the
+        # priors' 50 ms target-only step let a fresh session draft at 0 ms, where a target-only step
+        # takes 3.5 ms: 0.04 s of the answer's 0.75 s, 2026-12-01.)
+        n = None
+        if self.steps:
+            n, self._try_next = self._try_next, None
         if (n is not None and best < n < len(self.ladder) and not learning    # begin_request / a full tree
                 and tree_tokens(self.ladder[n], *OPTIMISTIC_ACCEPTANCE) / seconds(n, True) > rates[best]):
             self.explore_seconds += seconds(n, False)

@@ -113,12 +113,13 @@ if triton is not None:
 
     @triton.jit
     def _rope_store_kernel(QKV, Cos, Sin, Slots, KC, VC, QO, v_offset,
-                           H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, HEADS_P2: tl.constexpr):
-        """One program per token row and all its heads at once ([heads, D/2] tiles): RoPE on the q
-        and k heads, q to QO, k and v to their cache slot. (A program per (row, head) left 8192
-        one-warp programs at 512 rows: 6 us per layer on the H200 for 2 MB.)"""
+                           H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr):
+        """One program per token row and HEADS of its heads at once ([HEADS, D/2] tiles): RoPE on the
+        q and k heads, q to QO, k and v to their cache slot. (A program per (row, head) left 8192
+        one-warp programs at 512 rows: 6 us per layer on the H200 for 2 MB; all heads of a row in one
+        program made the one-row step's 28 calls 14 us slower, so few rows split their heads.)"""
         row = tl.program_id(0)
-        head = tl.arange(0, HEADS_P2)
+        head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
         half = tl.arange(0, D // 2)
         ok = (head < H_Q + 2 * H_KV)[:, None]
         src = QKV + (row * (H_Q + 2 * H_KV) + head)[:, None] * D + half[None, :]
@@ -358,14 +359,19 @@ def linear_rows_partials(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = 
     return _linear_rows_launch(x, weight, None, silu, True, config)
 
 
+ROPE_ROWS_ALL_HEADS = 16   # from this many token rows on, one rope_store program takes all of a row's heads
+
+
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
                slots: torch.Tensor, n_head: int, n_head_kv: int) -> torch.Tensor:
     rows = qkv.shape[0]
     D = cache.shape[-1]
     q = torch.empty(rows, n_head, D, dtype=qkv.dtype, device=qkv.device)
     heads = n_head + 2 * n_head_kv
-    _rope_store_kernel[(rows,)](qkv, cos, sin, slots, cache, cache, q, cache.stride(0), H_Q=n_head, H_KV=n_head_kv,
-                                D=D, HEADS_P2=triton.next_power_of_2(heads), num_warps=4 if heads * D >= 2048 else 1)
+    per_program = triton.next_power_of_2(heads) if rows >= ROPE_ROWS_ALL_HEADS else min(2, triton.next_power_of_2(heads))
+    _rope_store_kernel[(rows, triton.cdiv(heads, per_program))](
+        qkv, cos, sin, slots, cache, cache, q, cache.stride(0), H_Q=n_head, H_KV=n_head_kv, D=D, HEADS=per_program,
+        num_warps=4 if per_program * D >= 2048 else 1)
     return q
 
 

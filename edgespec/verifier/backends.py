@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Protocol
 
 from edgespec.common import modelstore
 from edgespec.common.acceptance import VerifyResult
@@ -89,11 +89,24 @@ class KVUsage:
     compact_seconds: float
 
 
+class PrefillProgress(Protocol):
+    """A Sync in progress in a backend with `mixed_prefill`: its sessions' `begin_sync(tokens)` returns
+    one, and each `verify_many(requests, prefills=[...])` call advances it by at most one chunk."""
+
+    error: BaseException | None   # the Sync failed (its session's KV is then in doubt)
+    ran: bool    # a chunk of it ran in the last verify_many call (that call's time is the Sync's compute)
+    rode: bool   # ... in the same step as verify trees (edgespec_verifier_prefill_chunks_mixed_total)
+
+    @property
+    def finished(self) -> bool: ...
+
+
 class Backend(abc.ABC):
     info: ModelInfo
     mixed_prefill: bool = False
-    """True when `verify_many(requests, prefills=...)` takes sessions' `begin_sync` work: the service
-    then prefills Syncs inside verify batches (chunked prefill in the same forward)."""
+    """True when `verify_many(requests, prefills=...)` takes sessions' `begin_sync` work
+    (PrefillProgress): the service then prefills Syncs inside verify batches (chunked prefill in the
+    same forward)."""
 
     @abc.abstractmethod
     def open_session(self) -> BackendSession: ...

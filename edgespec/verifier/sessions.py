@@ -43,7 +43,7 @@ from typing import Iterator
 from edgespec.common.tokens import common_prefix_length
 from edgespec.common.wire import DeadlineExceededError, VerifierBusyError
 from edgespec.v1 import edgespec_pb2 as pb
-from edgespec.verifier.backends import Backend, BackendSession
+from edgespec.verifier.backends import Backend, BackendSession, PrefillProgress
 from edgespec.verifier.torch.batching import BatchWorker, Job
 
 log = logging.getLogger("edgespec.verifier")
@@ -141,7 +141,7 @@ class _SyncJob:
 
     session: ServerSession
     tokens: list[int]
-    work: object = None              # the backend's PrefillWork once started
+    work: PrefillProgress | None = None   # the backend's prefill once started
     compute_s: float = 0.0           # time of the batches it ran in
 
 
@@ -382,8 +382,10 @@ class SessionRegistry:
             return
         started = time.monotonic()
         try:
-            results = self.backend.verify_many(requests, prefills=[job.payload.work for job in syncs]) if syncs \
-                else self.backend.verify_many(requests)
+            if self.mixed_prefill:   # Syncs are queued here only then (see sync)
+                results = self.backend.verify_many(requests, prefills=[job.payload.work for job in syncs])
+            else:
+                results = self.backend.verify_many(requests)
         finally:
             computed = time.monotonic() - started
             for job in syncs:
@@ -414,7 +416,7 @@ class SessionRegistry:
     def _sync_step_done(self, job: Job, seconds: float) -> None:
         sync: _SyncJob = job.payload
         work = sync.work
-        if getattr(work, "ran", True):
+        if work.ran:
             sync.compute_s += seconds
         if work.error is not None:
             self.invalidate(sync.session)  # a half-synced KV must never be used
@@ -425,7 +427,7 @@ class SessionRegistry:
             job.result = True
         else:
             job.pending = True
-        if getattr(work, "rode", False):
+        if work.rode:
             self.stats.prefill_chunks_mixed += 1
 
     # -- KV slots (call only while holding the compute worker) --------------------------------

@@ -42,7 +42,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -539,37 +539,31 @@ def bench_mixed(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dic
         late = seqs[B]
         chunk = rng.integers(0, config.vocab_size, size=T).tolist()
 
+        long_chunk = rng.integers(0, config.vocab_size, size=4 * T).tolist()
+
         def rewind() -> None:
             for s in seqs:
                 s.truncate(args.context)
 
-        def verify_only() -> None:
-            engine.verify(trees)
-            rewind()
+        def verified(steps: list[TreeStep]) -> Callable[[], None]:
+            """One verify step of `steps` (trees and/or prefill rows), then back to the context."""
+            return lambda: (engine.verify(steps), rewind())
 
-        def prefill_only() -> None:
-            engine.append(late, chunk)
-            torch.cuda.synchronize() if device.type == "cuda" else None
-            rewind()
+        def eager(tokens: list[int]) -> Callable[[], None]:
+            """One eager prefill forward of `tokens` for the late session, then back to the context."""
+            def run() -> None:
+                engine.append(late, tokens)
+                torch.cuda.synchronize() if device.type == "cuda" else None
+                rewind()
+            return run
 
-        def mixed() -> None:
-            engine.verify(trees + [TreeStep.prefill_chunk(late, chunk)])
-            rewind()
-
-        def prefill_step() -> None:   # a Sync with no tree beside it, as the service now runs it on CUDA
-            engine.verify([TreeStep.prefill_chunk(late, chunk)])
-            rewind()
-
-        def prefill_eager_long() -> None:   # ... and as it ran before: eager chunks of prefill_chunk tokens
-            engine.append(late, long_chunk)
-            torch.cuda.synchronize() if device.type == "cuda" else None
-            rewind()
-
-        long_chunk = rng.integers(0, config.vocab_size, size=4 * T).tolist()
         row = {"trees": B, "tree": T, "chunk": T, "context": args.context,
                "bucket_alone": bucket(B), "bucket_mixed": bucket(B + 1), "long_chunk": 4 * T}
-        for name, fn in (("verify_ms", verify_only), ("prefill_ms", prefill_only), ("mixed_ms", mixed),
-                         ("prefill_step_ms", prefill_step), ("prefill_eager_long_ms", prefill_eager_long)):
+        for name, fn in (("verify_ms", verified(trees)), ("prefill_ms", eager(chunk)),
+                         ("mixed_ms", verified(trees + [TreeStep.prefill_chunk(late, chunk)])),
+                         # a Sync with no tree beside it: as the service runs it on CUDA, and as it ran before
+                         ("prefill_step_ms", verified([TreeStep.prefill_chunk(late, chunk)])),
+                         ("prefill_eager_long_ms", eager(long_chunk))):
             row[name] = wall_ms(fn, args.warmup, args.iters)
         row["separate_ms"] = row["verify_ms"] + row["prefill_ms"]
         row["mixed_over_separate"] = round(row["mixed_ms"] / row["separate_ms"], 3)

@@ -12,7 +12,8 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets the in
 pytest.importorskip("triton", reason="triton is not installed")
 
 from edgespec.verifier.torch.tree_attention import TorchPagedAttention, ancestor_mask  # noqa: E402
-from edgespec.verifier.torch.triton_attention import TritonPagedAttention, pack_ancestor_bits  # noqa: E402
+from edgespec.verifier.torch.tree_ops import pack_ancestor_bits  # noqa: E402
+from edgespec.verifier.torch.triton_attention import TritonPagedAttention  # noqa: E402
 
 
 def test_pack_ancestor_bits():

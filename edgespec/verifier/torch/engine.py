@@ -47,6 +47,7 @@ from edgespec.common.sampling import SamplingParams
 from edgespec.verifier.torch.kv_cache import Compaction, KVSequence, PagedKVCache
 from edgespec.verifier.torch.model import TransformerLM
 from edgespec.common.rng import residual_uniforms
+from edgespec.verifier.torch import tree_ops
 from edgespec.verifier.torch.tree_attention import TorchPagedAttention, ancestor_mask, chain_parents, depths
 
 GREEDY, SAMPLE, SAMPLE_TRUNCATED = 0, 1, 2   # device decision modes (graph variants)
@@ -165,28 +166,6 @@ def sample_choice(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     token = torch.searchsorted(cum, target, right=True).squeeze(-1)
     last_nonzero = V - 1 - (p > 0).flip(-1).to(torch.int8).argmax(-1)      # as sample_inverse_cdf clamps
     return torch.minimum(token, last_nonzero)
-
-
-def ancestors(parents: torch.Tensor) -> torch.Tensor:
-    """[B, T, T] bool ancestor-or-self masks from parents [B, T] (root and padding nodes are their own
-    parents), by pointer doubling: log2(T) boolean matrix squarings, on the device."""
-    B, T = parents.shape
-    anc = torch.zeros(B, T, T, dtype=torch.float32, device=parents.device)
-    anc.scatter_(2, parents[:, :, None], 1.0)
-    anc += torch.eye(T, device=parents.device)
-    anc = anc.clamp_(max=1.0)
-    for _ in range(max(1, (T - 1).bit_length())):
-        anc = torch.bmm(anc, anc).clamp_(max=1.0)
-    return anc > 0
-
-
-def slot_of(tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Flat cache slots [B * P] of positions pos [B, P] through block tables [B, NB]; positions past
-    the table land in the null block (their contents are never attended to)."""
-    NB = tables.shape[1]
-    blk = pos // block_size
-    b = tables.gather(1, blk.clamp(max=NB - 1))
-    return (torch.where(blk < NB, b, 0) * block_size + pos % block_size).flatten()
 
 
 class Engine:
@@ -483,13 +462,11 @@ class Engine:
         iv = _views(st.ints, layout(B, T, NB))
         fv = _views(st.floats, float_layout(B, T))
         bs = self.cache.block_size
-        tokens, parents, ctx = iv["tokens"], iv["parents"], iv["ctx"]
-        node = torch.arange(T, device=tokens.device)
-        valid = node[None, :] < iv["sizes"][:, None]
-        anc = ancestors(parents)
-        depth = anc.sum(-1) - 1
-        slots = slot_of(iv["tables"], ctx[:, None] + node[None, :], bs)
-        attend = self.attention_cls(iv["tables"], ctx, anc, bs, self.model.config.group)
+        tokens, parents, ctx, tables = iv["tokens"], iv["parents"], iv["ctx"], iv["tables"]
+        prepare, accept = ((tree_ops.prepare, tree_ops.accept) if self.fused     # one Triton launch each
+                           else (tree_ops.prepare_torch, tree_ops.accept_torch))  # the reference
+        bits, depth, slots = prepare(parents, ctx, tables, bs)
+        attend = self.attention_cls.packed(tables, ctx, bits, bs, self.model.config.group)
         logits = self.model(tokens, ctx[:, None] + depth, slots, self.cache.flat, attend)
         if self.fused:
             from edgespec.verifier.torch import fused
@@ -503,33 +480,16 @@ class Engine:
             sampled = sample_choice(logits, fv["temperature"], iv["top_k"], fv["top_p"], fv["u"],
                                     mode == SAMPLE_TRUNCATED, self.sample_dtype)
             choice = torch.where(iv["greedy"].bool()[:, None], argmax, sampled)
-        match = (tokens == choice.gather(1, parents)) & valid
-        match = match | (node == 0)[None, :] | iv["force"].bool()[:, None]   # prefill rows: all accepted
-        accepted = ~(anc & ~match[:, None, :]).any(-1) & valid                 # every ancestor matches
-        last = torch.where(accepted, depth, -1).argmax(1, keepdim=True)         # the deepest accepted node
-        k = depth.gather(1, last)
-        next_token = choice.gather(1, last)
-        where = torch.where(accepted, depth, T)
-        path = torch.zeros(B, T + 1, dtype=torch.int64, device=logits.device)
-        path.scatter_(1, where, node.expand(B, T).contiguous())
-        path = path[:, :T]                                                     # path[b, d]: node at depth d
-        self._compact(iv["tables"], iv["ctx"], path, k, iv["compact"].bool(), T, NB)
-        out = torch.cat((next_token, k, path, margin.gather(1, path)), dim=1).float()
+        out, src, dst = accept(tokens, parents, choice, margin, bits, depth, iv["sizes"], iv["force"],
+                               iv["compact"], ctx, tables, bs)
+        self._move_rows(src, dst)
         return out, logits
 
-    def _compact(self, tables: torch.Tensor, ctx: torch.Tensor, path: torch.Tensor, k: torch.Tensor,
-                 enabled: torch.Tensor, T: int, NB: int) -> None:
-        """Move the K/V of path[d] (slot ctx + path[d]) to slot ctx + d for d <= k (rows with
-        `enabled`); every other row copies onto itself. Reads all sources before writing."""
-        bs = self.cache.block_size
-        d = torch.arange(T, device=path.device)[None, :]
-        use = (d <= k) & enabled[:, None]
-        src = ctx[:, None] + torch.where(use, path, d)
-        dst = ctx[:, None] + d
-
+    def _move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V rows of every layer from slots src to slots dst (compaction of accepted
+        paths; a slot mapped onto itself is a no-op). Reads all sources before writing."""
         flat = self.cache.flat
-        rows = flat.index_select(2, slot_of(tables, src, bs))
-        flat.index_copy_(2, slot_of(tables, dst, bs), rows)
+        flat.index_copy_(2, dst, flat.index_select(2, src))
 
     def _decide_on_host(self, st: _Static, b: int, s: TreeStep, T: int, NB: int) -> Decision:
         """A tree under a host rule: read its logits rows, decide with common/acceptance.py, compact."""
@@ -543,9 +503,10 @@ class Engine:
         path[0, :len(nodes)] = torch.tensor(nodes)
         tables = torch.zeros(1, NB, dtype=torch.int64)
         tables[0, :len(s.seq.blocks)] = torch.tensor(s.seq.blocks)
-        self._compact(tables.to(self.device), torch.tensor([s.seq.length], device=self.device), path,
-                      torch.tensor([[len(acc.path)]], device=self.device), torch.ones(1, dtype=torch.bool,
-                                                                                     device=self.device), T, NB)
+        self._move_rows(*tree_ops.compaction_slots(
+            tables.to(self.device), torch.tensor([s.seq.length], device=self.device), path,
+            torch.tensor([[len(acc.path)]], device=self.device), torch.ones(1, dtype=torch.bool, device=self.device),
+            self.cache.block_size))
         top2 = np.sort(logits[nodes], axis=1)[:, -2:]
         return Decision(list(acc.path), int(acc.next_token), [float(x) for x in top2[:, 1] - top2[:, 0]])
 

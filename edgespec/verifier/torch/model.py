@@ -237,7 +237,7 @@ class TransformerLM(nn.Module):
     def _forward_fused(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                        cache: torch.Tensor, attend: Attention, logits: bool) -> torch.Tensor | None:
         """The same forward with fused.py's Triton kernels: ten launches per layer (the residual
-        add is folded into the next RMSNorm). With small_rows_matmul >= B*T, the matmuls for which
+        add is folded into the next RMSNorm, the last one into the final norm). With small_rows_matmul >= B*T, the matmuls for which
         fused.LINEAR_ROWS_TABLE has a config (measured faster than cuBLAS there) are
         fused.linear_rows: the split-K partials of wo and w2 are summed by the add_rmsnorm that
         reads them, and w2's version applies SiLU*up as it loads gate/up (no silu_mul launch)."""
@@ -266,21 +266,25 @@ class TransformerLM(nn.Module):
                 down = layer.w2(fused.silu_mul(gate_up))
             if i + 1 < len(self.layers):
                 h, x = fused.add_rmsnorm(x, down, self.layers[i + 1].attn_norm.weight, c.norm_eps)
-            else:
-                x = x + (down.sum(0).to(x.dtype) if down.ndim == 3 else down)
+            elif logits:   # the final norm (float32 inside, rounded once for the LM head's operands)
+                h, x = fused.add_rmsnorm(x, down, self.norm.weight, c.norm_eps)
         if not logits:
             return None
-        return self.head(x.view(B, T, c.d_model))
+        return self.lm_head_logits(h.view(B, T, c.d_model))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head in float32 (argmax and top-2 margins are decided on these)."""
-        h = self.norm.forward_float(x)
+        return self.lm_head_logits(self.norm.forward_float(x))
+
+    def lm_head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of final-normed hidden states h (float32, or already rounded to the weights'
+        dtype by the fused forward, which is what the bf16 product below takes anyway)."""
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         if w.dtype == torch.float32:
-            return F.linear(h, w)
+            return F.linear(h.float(), w)
         if h.is_cuda:  # bf16 operands, float32 accumulation and output
             try:
                 return torch.mm(h.to(w.dtype).flatten(0, -2), w.t(), out_dtype=torch.float32).view(*h.shape[:-1], -1)
             except (TypeError, RuntimeError):  # a torch without out_dtype: bf16 output
                 return F.linear(h.to(w.dtype), w).float()
-        return F.linear(h, w.float())
+        return F.linear(h.float(), w.float())

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from edgespec.verifier.torch.tree_ops import unpack_ancestor_bits
+
 
 def ancestor_mask(parents: Sequence[int]) -> np.ndarray:
     """[T, T] bool: m[i, j] iff node j is node i or one of its ancestors (parents precede children)."""
@@ -77,6 +79,12 @@ class TorchPagedAttention:
         vis = visibility(ctx_lens, anc, key_len)
         self.mask = vis[:, None].expand(B, group, T, key_len).reshape(B, 1, group * T, key_len)
         self.slots = block_slots(tables, block_size)
+
+    @classmethod
+    def packed(cls, tables: torch.Tensor, ctx_lens: torch.Tensor, bits: torch.Tensor, block_size: int,
+               group: int) -> "TorchPagedAttention":
+        """The same from ancestor bits (tree_ops.prepare's [B, T, W] int32) instead of a bool mask."""
+        return cls(tables, ctx_lens, unpack_ancestor_bits(bits, bits.shape[1]), block_size, group)
 
     def __call__(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         B, T, Hq, D = q.shape

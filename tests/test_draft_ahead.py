@@ -153,3 +153,44 @@ def test_a_used_prepared_tree_is_the_tree_drafted_at_the_step(smol_model, prompt
     finally:
         plain.close()
     assert_lossless(out, target_only_greedy(smol_model, prompt, 40), "drafted ahead")
+
+
+class SlowPrefill:
+    """The real LocalVerifier behind a link whose prompt upload takes `delay` seconds."""
+
+    def __init__(self, verifier: LocalVerifier, delay: float) -> None:
+        self.inner, self.delay = verifier, delay
+
+    def sync(self, context: Sequence[int]) -> None:
+        threading.Event().wait(self.delay)
+        self.inner.sync(context)
+
+    def verify(self, context: Sequence[int], tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult:
+        return self.inner.verify(context, tree, sampling, step)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_the_planner_gets_a_timed_draft_decode_while_the_verifier_prefills(smol_model, prompt):
+    """Before its first tree the planner knows a draft decode's cost only as a prior; the decoder times
+    one decode while the verifier is still busy with the prompt (here a 0.5 s upload), once per
+    session, and the answer is still target-only greedy."""
+    drafter = Drafter(smol_model, CONFIG)
+    stats = SessionStats()
+    verifier = SlowPrefill(LocalVerifier(smol_model, CONFIG), delay=0.5)
+    decoder = Decoder(drafter, verifier, stats, None, smol_model.is_end_of_generation, pipelined=True)
+    timed = []
+    calibrate = decoder.planner.calibrate_draft
+    decoder.planner.calibrate_draft = lambda s: (timed.append(s), calibrate(s))
+    try:
+        outs = [[t for chunk in decoder.run(prompt, 12, GREEDY) for t in chunk] for _ in range(2)]   # two requests
+    finally:
+        decoder.close()
+        verifier.close()
+        drafter.close()
+    assert len(timed) == 1 and 0 < timed[0] < 0.5                 # once, and within the upload
+    assert decoder.planner.draft_calibrated
+    ref = target_only_greedy(smol_model, prompt, 12)
+    for out in outs:
+        assert_lossless(out + ([smol_model.eos] if len(out) < 12 else []), ref, "timed draft decode")

@@ -363,3 +363,39 @@ def test_a_fresh_session_tries_a_drafted_shape_only_after_one_measured_step():
     assert first == TreeShape.target_only() and second == TreeShape.target_only()
     first, second = first_two(verify_s=0.2, network_s=0.05)        # a CPU verifier 50 ms away
     assert first == TreeShape.target_only() and second.budget > 0
+
+
+def test_a_measured_draft_decode_replaces_the_prior_before_any_tree():
+    """With the prior (30 ms a draft decode) a small chain cannot pay at 20 ms RTT next to a 2 ms
+    verifier, so it is never tried and the prior never corrected (H200 host: 1.00x cloud AR where
+    chain4 ran 1.22x). One decode timed at the start (8 ms) prices it right: the request drafts."""
+    def second_choice(calibrated_s):
+        p = Planner()
+        if calibrated_s is not None:
+            p.calibrate_draft(calibrated_s)
+        p.begin_request()
+        p.choose()
+        p.observe(StepObservation(nodes=0, draft_s=0.0, draft_decodes=0, network_s=0.022, bytes_up=48,
+                                  verify_s=0.002, queue_s=0.0, scores=np.zeros(0), accepted=np.zeros(0, bool)))
+        return p, p.choose()
+
+    p, shape = second_choice(None)
+    assert shape == TreeShape.target_only() and not p.draft_calibrated
+    p, shape = second_choice(0.008)
+    assert shape.budget > 0 and p.draft_per_decode_s == 0.008   # drafting is now the best choice outright
+    p.calibrate_draft(0.5)                                 # once only
+    assert p.draft_per_decode_s == 0.008
+    p, shape = second_choice(0.008)
+    assert shape.budget > 0
+    p.observe(StepObservation(nodes=2, draft_s=0.03, draft_decodes=2, network_s=0.022, bytes_up=64, verify_s=0.002,
+                              queue_s=0.0, scores=np.array([0.9, 0.8]), accepted=np.ones(2, bool),
+                              depths=np.array([1, 2]), shape=shape.label))
+    assert abs(p.draft_per_decode_s - (0.8 * 0.008 + 0.2 * 0.015)) < 1e-12   # trees then refine it
+
+
+def test_the_first_drafted_tree_replaces_the_prior_outright():
+    p = Planner()
+    p.observe(StepObservation(nodes=2, draft_s=0.02, draft_decodes=2, network_s=0.05, bytes_up=64, verify_s=0.01,
+                              queue_s=0.0, scores=np.array([0.9, 0.8]), accepted=np.ones(2, bool),
+                              depths=np.array([1, 2]), shape="chain2"))
+    assert p.draft_calibrated and abs(p.draft_per_decode_s - 0.01) < 1e-12

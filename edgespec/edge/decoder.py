@@ -143,7 +143,8 @@ class Decoder:
         started = time.perf_counter()
         if self.drafts_ahead:  # prefill both models at once (the verifier on its own thread or host)
             with self._on_verify_thread(self.verifier.sync, committed) as synced:
-                self.drafter.predict_next(committed)
+                guess = self.drafter.predict_next(committed)
+                self._calibrate_draft(committed + [guess], synced.done)
             synced.result()
         else:
             self.verifier.sync(committed)
@@ -204,6 +205,16 @@ class Decoder:
             yield future
         finally:
             wait([future])
+
+    def _calibrate_draft(self, context: list[int], verifier_done: Callable[[], bool]) -> None:
+        """Time one draft decode (the guessed next token) for the planner, once per session and only
+        while the verifier is still prefilling, so it costs no wall time: until it drafts a tree the
+        planner has only a prior for a decode, and a prior too high keeps it from ever drafting."""
+        if self.planner is None or self.planner.draft_calibrated or verifier_done():
+            return
+        started = time.perf_counter()
+        self.drafter.predict_next(context)
+        self.planner.calibrate_draft(time.perf_counter() - started)
 
     # -- drafting -----------------------------------------------------------------------------
     def _draft(self, committed: list[int], sampling: SamplingParams, step: int,

@@ -165,6 +165,7 @@ class Planner:
     # Prior: a CPU-like 50 ms per node, so the first trees are small until measurements arrive.
     verify: _LineFit = field(default_factory=lambda: _LineFit(a=0.0, b=0.05))
     draft_per_decode_s: float = 0.03
+    draft_calibrated: bool = False   # draft_per_decode_s is a measurement (calibrate_draft or a drafted tree)
     queue_s: float = 0.0
     # Prior: the draft's own path probability is the acceptance (bin midpoints, worth 2 trials each).
     # A flat 0.5 made every sibling look half likely, so a 64-node tree looked worth ~10 tokens
@@ -218,6 +219,8 @@ class Planner:
         rung = self._rung(obs.shape)
         if obs.draft_decodes and not obs.prepared:   # a prepared tree's drafting was hidden, its draft_s is not its cost
             per_decode = obs.draft_s / obs.draft_decodes
+            if not self.draft_calibrated:   # the first measurement replaces the prior outright
+                self.draft_per_decode_s, self.draft_calibrated = per_decode, True
             self.draft_per_decode_s = 0.8 * self.draft_per_decode_s + 0.2 * per_decode
             old = self.decode_s_by_rung.get(rung)
             self.decode_s_by_rung[rung] = per_decode if old is None else 0.7 * old + 0.3 * per_decode
@@ -275,6 +278,16 @@ class Planner:
         if depths is not None:
             p = np.clip(p * self.depth_correction[np.minimum(depths, MAX_TRACKED_DEPTH)], 0.0, 1.0)
         return p
+
+    def calibrate_draft(self, decode_s: float) -> None:
+        """One draft decode timed outside any step (the decoder times one while the verifier
+        prefills the prompt). Until a tree has been drafted, drafting is priced with the prior
+        (30 ms a decode), and a shape that does not pay at that price is never tried, so the prior
+        never gets corrected: on the H200 host a decode took 6-10 ms, and at 20 ms RTT the planner
+        decoded every answer target-only (1.00x cloud AR) where chain4 ran 1.22x (2026-12-01)."""
+        if not self.draft_calibrated:
+            self.draft_per_decode_s, self.draft_calibrated = float(decode_s), True
+            self._tokens_by_rung = None
 
     # -- predictions --------------------------------------------------------------------------
     @property

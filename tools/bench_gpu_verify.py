@@ -318,6 +318,12 @@ MATMUL_CANDIDATES = {   # (BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages)
     "w13": [(32, 128, 1, 4, 4), (32, 128, 1, 4, 6), (32, 256, 1, 4, 6), (64, 128, 1, 4, 6)],
     "w2": [(64, 128, 7, 4, 4), (64, 128, 7, 4, 6), (64, 128, 14, 4, 5), (128, 128, 14, 8, 5), (64, 256, 7, 4, 5)],
 }
+GEMV_CANDIDATES = {   # one row only (the kernel's dot-free path; BLOCK_N 8 does not compile for tl.dot)
+    "wqkv": [(8, 512, 1, 4, 3), (16, 256, 1, 4, 4), (8, 256, 1, 2, 4)],
+    "wo": [(8, 512, 1, 4, 3), (8, 256, 2, 4, 4), (16, 256, 2, 4, 4)],
+    "w13": [(32, 256, 1, 4, 4), (16, 512, 1, 4, 3), (64, 128, 1, 4, 4)],
+    "w2": [(8, 512, 2, 4, 3), (16, 256, 4, 4, 4), (8, 256, 4, 4, 4)],
+}
 
 
 def graph_us(calls: list, iters: int) -> float:
@@ -372,7 +378,8 @@ def bench_matmuls(args, ceil: dict | None) -> dict:
             ref = F.linear(xin.float(), ws[0].float(), None if b is None else b.float())
             row["cublas_max_abs_err"] = float((F.linear(xin, ws[0], b).float() - ref).abs().max())
             if rows <= fused.LINEAR_ROWS_MAX:
-                cfgs = [None] + (MATMUL_CANDIDATES[name] if args.matmul_sweep else [])
+                cfgs = [None] + (MATMUL_CANDIDATES[name] + (GEMV_CANDIDATES[name] if rows == 1 else [])
+                                 if args.matmul_sweep else [])
                 for cfg in cfgs:
                     try:
                         if name in ("wo", "w2"):
@@ -402,7 +409,7 @@ def bench_matmuls(args, ceil: dict | None) -> dict:
         for name, (n, k, _) in MATMULS.items():
             got = [r for r in out["sweep"] if r["matrix"] == name and "us" in r]
             base = {r["rows"]: r.get("cublas_silu_us", r["cublas_us"]) for r in out["rows"] if r["matrix"] == name}
-            for bound, rs in ((16, (1, 16)), (64, (64,))):
+            for bound, rs in ((1, (1,)), (16, (1, 16)), (64, (64,))):
                 rs = [x for x in rs if x in rows_list]
                 score = {}
                 for r in got:

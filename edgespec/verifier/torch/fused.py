@@ -156,6 +156,7 @@ if triton is not None:
         """out^T [BLOCK_N, rows] = W[BLOCK_N, k-slice] @ x^T[k-slice, rows] for output columns
         pid0 * BLOCK_N.. and the K slice [pid1 * k_split, +k_split). Each weight element is read
         once by one program; x (rows padded to ROWS_P >= 16 for tl.dot) is small and comes from L2.
+        One row (ROWS_P = 1) multiplies and sums instead of tl.dot: a GEMV, without the padded rows.
         SILU: X is gate/up [rows, 2K]; the input is silu(gate) * up, rounded to W's dtype (what
         silu_mul writes). PARTIALS: write float32 [SPLIT, rows, N]; else add the bias, round, write
         O [rows, N]. EVEN: N % BLOCK_N == 0 and every slice is whole BLOCK_K tiles inside K."""
@@ -184,7 +185,9 @@ if triton is not None:
                 xt = (g / (1.0 + tl.exp(-g)) * u).to(w.dtype)
             else:
                 xt = tl.load(x_ptr + k0, mask=xm, other=0.0)
-            if IEEE:
+            if ROWS_P == 1:   # one row: a dot-free GEMV (no padding to 16 rows, BLOCK_N may be 8)
+                acc += tl.sum(w.to(tl.float32) * tl.trans(xt.to(tl.float32)), 1)[:, None]
+            elif IEEE:
                 acc = tl.dot(w, xt, acc, input_precision="ieee")
             else:
                 acc = tl.dot(w, xt, acc)
@@ -340,7 +343,7 @@ def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     _linear_rows_kernel[(triton.cdiv(n, block_n), split)](
         x, weight, x if bias is None else bias, out, rows, n, k, k_split, x.shape[1], K_TILES=k_split // block_k,
         HAS_BIAS=bias is not None, SILU=silu, PARTIALS=partials, EVEN=even, IEEE=weight.dtype == torch.float32,
-        ROWS_P=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
+        ROWS_P=1 if rows == 1 else max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages)
     return out
 

@@ -419,3 +419,20 @@ def test_paged_cache_random_operations_keep_every_sequence_intact():
             assert cache.pool.num_free + len(owners) == cache.pool.num_blocks - 1
         report = cache.report()
         assert 0.0 <= report.fragmentation <= 1.0
+
+
+def test_warmup_steps_every_bucket_and_gives_its_blocks_back():
+    """Engine.warmup runs one greedy step per (B, T) bucket on throwaway sequences (on CUDA each is
+    captured then, not while serving); nothing of it stays in the cache, and steps after it decide
+    as an engine that never warmed up."""
+    model = TransformerLM.random(ModelConfig.tiny(), seed=3)
+    warm, cold = (Engine(model, num_blocks=64, block_size=4) for _ in range(2))
+    free = warm.cache.pool.num_free
+    assert warm.warmup([1, 2, 3], [1, 5]) == 6   # batches 1, 2, 4 x trees 1, 8
+    assert warm.stats["steps"] == 6 and warm.cache.pool.num_free == free
+    out = []
+    for engine in (warm, cold):
+        seq = engine.new_sequence()
+        engine.prefill(seq, list(range(1, 12)))
+        out.append(engine.verify([TreeStep(seq, [11, 12, 13], [-1, 0, 1])])[0])
+    assert out[0] == out[1]

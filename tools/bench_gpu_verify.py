@@ -409,7 +409,7 @@ def bench_matmuls(args, ceil: dict | None) -> dict:
         for name, (n, k, _) in MATMULS.items():
             got = [r for r in out["sweep"] if r["matrix"] == name and "us" in r]
             base = {r["rows"]: r.get("cublas_silu_us", r["cublas_us"]) for r in out["rows"] if r["matrix"] == name}
-            for bound, rs in ((1, (1,)), (16, (1, 16)), (64, (64,))):
+            for bound, rs in ((1, (1,)), (16, (16,)), (64, (64,))):   # one row runs its own (GEMV) path
                 rs = [x for x in rs if x in rows_list]
                 score = {}
                 for r in got:

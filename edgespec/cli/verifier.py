@@ -42,13 +42,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     path = modelstore.resolve(model, fetch_missing=False, progress=False)
     if args.backend != "torch" and (args.device or args.dtype):
         raise CliError("--device and --dtype apply to --backend torch only (llama.cpp: --n-gpu-layers)")
-    if args.backend != "torch" and (args.prefill_chunk is not None or args.compact_threshold is not None):
-        raise CliError("--prefill-chunk and --compact-threshold apply to --backend torch only")
+    if args.backend != "torch" and (args.prefill_chunk is not None or args.compact_threshold is not None
+                                    or args.no_warmup):
+        raise CliError("--prefill-chunk, --compact-threshold and --no-warmup apply to --backend torch only")
     try:
         backend = create_backend(args.backend, path, n_ctx=args.n_ctx, max_nodes=args.max_nodes,
                                  max_depth=args.max_depth, threads=args.threads, n_gpu_layers=args.n_gpu_layers,
                                  device=args.device or "cpu", dtype=args.dtype, max_sessions=args.max_sessions,
-                                 prefill_chunk=args.prefill_chunk, compact_threshold=args.compact_threshold)
+                                 prefill_chunk=args.prefill_chunk, compact_threshold=args.compact_threshold,
+                                 warmup=False if args.no_warmup else None)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     step_log = _step_log(args, backend, path) if args.log_dir else None
@@ -227,6 +229,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--compact-threshold", type=_fraction, default=None, metavar="F",
                    help="torch backend: compact the KV cache between steps when its fragmentation index "
                         "F = 1 - largest free run / free blocks is above this (0..1; 1: never; default 0.5)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="torch backend on CUDA: do not capture the step graphs of every batch and tree size at "
+                        "start (each is then captured when first needed, holding the GPU 0.1 s or more)")
     p.add_argument("--log-dir", default=None, metavar="DIR",
                    help="record every verified step (context, accepted path, the target's top-k at the deciding "
                         "positions) in DIR, for tools/distill.py (llama backend)")

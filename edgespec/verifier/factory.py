@@ -15,9 +15,9 @@ BACKENDS = ("llama", "torch")
 def create_backend(kind: str, model_path: str | os.PathLike, *, n_ctx: int = 4096, max_nodes: int = 128,
                    max_depth: int = 32, threads: int = 1, n_gpu_layers: int = 0, device: str = "cpu",
                    dtype: str | None = None, max_sessions: int = 4, prefill_chunk: int | None = None,
-                   compact_threshold: float | None = None) -> Backend:
+                   compact_threshold: float | None = None, warmup: bool | None = None) -> Backend:
     """The backend called `kind` ("llama" or "torch"); ValueError for bad settings. prefill_chunk and
-    compact_threshold are the torch backend's (None: its defaults).
+    compact_threshold and warmup are the torch backend's (None: its defaults).
 
     Each backend is imported only when asked for: a host without llama-cpp-python can still serve
     the torch backend, and one without torch the llama.cpp backend."""
@@ -30,8 +30,8 @@ def create_backend(kind: str, model_path: str | os.PathLike, *, n_ctx: int = 409
             from edgespec.verifier.torch.backend import TorchBackend
         except ImportError as exc:
             raise ValueError(f"the torch backend needs torch ({exc}): pip install 'edgespec[torch]'") from None
-        tuning = {k: v for k, v in (("prefill_chunk", prefill_chunk), ("compact_threshold", compact_threshold))
-                  if v is not None}
+        tuning = {k: v for k, v in (("prefill_chunk", prefill_chunk), ("compact_threshold", compact_threshold),
+                                    ("warmup", warmup)) if v is not None}
         return TorchBackend(model_path, device=device, dtype=dtype, n_ctx=n_ctx, max_nodes=max_nodes,
                             max_depth=max_depth, max_sessions=max_sessions, threads=threads, **tuning)
     raise ValueError(f"unknown backend {kind!r} (choose from {', '.join(BACKENDS)})")

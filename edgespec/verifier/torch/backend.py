@@ -194,7 +194,10 @@ class TorchBackend(Backend):
                  n_ctx: int = 4096, max_nodes: int = 128, max_depth: int = 32, max_k: int = 64,
                  max_sessions: int = 4, block_size: int = 16, threads: int | None = None,
                  model_id: str | None = None, cuda_graphs: bool | None = None, attention: str = "auto",
-                 prefill_chunk: int = 256, compact_threshold: float = 0.5, compact_check_every: int = 16) -> None:
+                 prefill_chunk: int = 256, compact_threshold: float = 0.5, compact_check_every: int = 16,
+                 warmup: bool | None = None) -> None:
+        """warmup: capture every (batch, tree) bucket's step graph now (Engine.warmup), not while
+        serving; default: when the engine uses CUDA graphs."""
         if not 2 <= max_nodes <= MAX_TREE_NODES:
             raise ValueError(f"max_nodes must be in [2, {MAX_TREE_NODES}], got {max_nodes}")
         if n_ctx < max_depth + 2:
@@ -217,6 +220,8 @@ class TorchBackend(Backend):
                     prefill_chunk=prefill_chunk, compact_threshold=compact_threshold,
                     compact_check_every=compact_check_every, extra={"path": str(model_path)})
         self._model_path = model_path
+        if self.engine.cuda_graphs if warmup is None else warmup:
+            self.warm_up(max_sessions, max_nodes)
         if importlib.util.find_spec("llama_cpp") is not None:   # grammar_vocab reads the vocabulary with it
             self.info = dataclasses.replace(self.info, grammar_constraints=True)
 
@@ -267,6 +272,15 @@ class TorchBackend(Backend):
                    "attention": self.engine.attention, "cuda_graphs": self.engine.cuda_graphs,
                    "fused_kernels": self.engine.fused, "prefill_chunk": prefill_chunk,
                    "compact_threshold": compact_threshold})
+
+    def warm_up(self, max_sessions: int, max_nodes: int) -> None:
+        """Step every batch bucket up to max_sessions sequences with every tree bucket up to a root
+        and max_nodes drafted nodes (Engine.warmup); the time goes into info.extra."""
+        started = time.perf_counter()
+        def up_to(n: int) -> list[int]:
+            return [1 << i for i in range(bucket(n).bit_length())]
+        buckets = self.engine.warmup(up_to(max_sessions), up_to(max_nodes + 1))
+        self.info.extra["warmup"] = {"buckets": buckets, "seconds": round(time.perf_counter() - started, 2)}
 
     def open_session(self) -> TorchSession:
         return TorchSession(self)

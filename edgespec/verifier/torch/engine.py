@@ -169,7 +169,11 @@ def sample_choice(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 
 class Engine:
-    SMALL_ROWS_MATMUL = 0  # default small_rows_matmul on CUDA (off until measured to win)
+    SMALL_ROWS_MATMUL = 16  # default small_rows_matmul on CUDA: fused.LINEAR_ROWS_TABLE's picks up to 16 rows
+    # With CUDA graphs, block tables are padded to at least this many blocks (1024 tokens at block size
+    # 16): shorter contexts share one graph per (B, T) instead of capturing one per table size as the
+    # context grows. The kernels read the real lengths, so the padding costs only empty key splits.
+    MIN_TABLE_BLOCKS = 64
 
     def __init__(self, model: TransformerLM, *, num_blocks: int, block_size: int = 16, prefill_chunk: int = 256,
                  cuda_graphs: bool | None = None, attention: str = "auto", fused: bool | None = None,
@@ -337,7 +341,7 @@ class Engine:
                 seq.trim()
             raise
         B, T = bucket(len(steps)), bucket(T_real)
-        NB = bucket(max(len(s.seq.blocks) for s in steps))
+        NB = self._table_blocks(max(len(s.seq.blocks) for s in steps))
         sampled = [s for s in steps if s.host_rule is None and not s.sampling.greedy]
         if not sampled:
             mode = GREEDY
@@ -361,6 +365,32 @@ class Engine:
             s.seq.length += 1 + len(d.path)
             s.seq.trim()
         return decisions
+
+    def _table_blocks(self, blocks: int) -> int:
+        """The block-table width of a step whose longest sequence holds `blocks` blocks (its bucket)."""
+        nb = bucket(blocks)
+        return max(nb, self.MIN_TABLE_BLOCKS) if self.cuda_graphs else nb
+
+    @torch.no_grad()
+    def warmup(self, batches: Sequence[int], trees: Sequence[int]) -> int:
+        """One greedy step of every bucket (B, T) for B in `batches` and T in `trees` (rounded up to
+        buckets), on throwaway sequences: with CUDA graphs each is captured now (and Triton compiles
+        its kernels for the shape) instead of in the middle of serving, where a capture held the GPU
+        for 0.1 s or more and the planner of the edge that hit it priced every node by it for the
+        next 64 steps (H200 host, 2026-12-01: 19 ms of compute per step at 100 ms RTT, and target-only
+        decoding for 38 steps). Contexts up to MIN_TABLE_BLOCKS blocks then need no new capture.
+        Returns the number of buckets stepped; the sequences' blocks go back to the pool."""
+        done = 0
+        for B in sorted({bucket(b) for b in batches}):
+            for T in sorted({bucket(t) for t in trees}):
+                seqs = [self.new_sequence() for _ in range(B)]
+                try:
+                    self.verify([TreeStep(seq, [0] * T, chain_parents(T)) for seq in seqs])
+                finally:
+                    for seq in seqs:
+                        seq.close()
+                done += 1
+        return done
 
     def last_logits(self) -> torch.Tensor | None:
         """The float32 logits [B, T, vocab] of the most recent verify step, exactly as its decisions

@@ -278,14 +278,15 @@ LINEAR_ROWS_MAX = 64
 # bound that holds; None: cuBLAS is faster there, the forward keeps F.linear. The four Qwen2.5-1.5B
 # matrices: wqkv [2048 x 1536] (+ bias), wo [1536 x 1536], w13 [17920 x 1536], w2 [1536 x 8960]
 # (w2 taking gate/up, SiLU*up applied as it loads). SPLIT only where N / BLOCK_N alone leaves SMs
-# idle (132 on an H200); K / SPLIT in whole BLOCK_K tiles keeps the loop unmasked. Measured with
-# tools/bench_gpu_verify.py --matmul-sweep (docs/BENCHMARKS.md, 2026-12-01 10:03 and 10:20 UTC): wo
-# 4.2 against cuBLAS's 6.3 us at 1 row, wqkv 5.1 against 5.3; w13 a tie, w2 1.3x slower or worse.
+# idle (132 on an H200). One row runs the kernel's dot-free GEMV. Picked by tools/bench_gpu_verify.py
+# --matmul-sweep on the H200 (docs/BENCHMARKS.md, 2026-12-01 17:44 UTC), us per call against cuBLAS:
+# one row: wo 4.76 vs 6.30, w2 + SiLU*up 11.34 vs 12.59 (cuBLAS + silu_mul); wqkv 5.35 vs 5.23 and
+# w13 19.8 vs 17.4 stay on cuBLAS; 16 rows: wo 4.24 vs 5.31; at 64 rows none wins.
 LINEAR_ROWS_TABLE: dict[tuple[int, int], list[tuple[int, tuple[int, int, int, int, int] | None]]] = {
-    (2048, 1536): [(16, (16, 256, 1, 4, 4)), (64, None)],
-    (1536, 1536): [(16, (32, 128, 2, 4, 4)), (64, None)],
-    (17920, 1536): [(16, None), (64, None)],
-    (1536, 8960): [(16, None), (64, None)],
+    (2048, 1536): [(64, None)],
+    (1536, 1536): [(1, (8, 512, 1, 4, 3)), (16, (32, 128, 2, 4, 4)), (64, None)],
+    (17920, 1536): [(64, None)],
+    (1536, 8960): [(1, (128, 128, 14, 8, 5)), (64, None)],
 }
 
 

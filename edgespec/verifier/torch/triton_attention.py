@@ -127,8 +127,8 @@ def _tree_attn_merge(Acc, M, L, O, T, G, MT,
                      SPLITS_P2: tl.constexpr, ROWS: tl.constexpr):
     """One program per (sequence, KV head, ROWS query rows): the splits' maxima and sums as one
     [splits, ROWS] tile, their partial outputs in an unrolled loop of independent loads (a merge is
-    latency-bound, not bandwidth-bound; one program per row left thousands of one-warp programs at
-    B = 8, T = 64)."""
+    latency-bound, not bandwidth-bound). ROWS = 1, one-warp programs, measured fastest: 16 rows a
+    program cut the launch count at B = 8, T = 64 but not the step's time, and were slower elsewhere."""
     pid_bh = tl.program_id(0)
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < MT
@@ -167,7 +167,7 @@ class TritonPagedAttention:
     LONG_SPLIT_KEYS = 1024  # a split of at least this many keys gets 64-key tiles and 3 stages
     TARGET_PROGRAMS = 384   # key splits aim at about this many programs (~3 waves of the H200's 132 SMs) ...
     MIN_SPLIT_KEYS = 128    # ... but give each split at least this many keys (fewer partials to write and merge)
-    MERGE_ROWS = 16         # query rows per merge program
+    MERGE_ROWS = 1          # query rows per merge program (16 was slower or equal in every cell, H200 2026-12-01)
 
     def tile_config(self, rows: int, split_keys: int) -> tuple[int, int, int]:
         """(BLOCK_M, BLOCK_N, stages) for `rows` query rows per (sequence, KV head) and about

@@ -80,7 +80,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"edgespec verifier: serving {info.model_id} ({path}) on {info.backend}, n_ctx {info.n_ctx}, "
           f"{server.registry.max_live} KV slots, tls {'on' if server.tls else 'off'}, "
           f"auth {'on' if token else 'OFF'}"
-          + (f", metrics on http://{metrics_at}/metrics" if metrics_at else ""), file=sys.stderr, flush=True)
+          + (f", metrics on http://{metrics_at}/metrics" if metrics_at else "")
+          + (f", {warm['buckets']} step graphs warmed up in {warm['seconds']} s" if (warm := info.extra.get("warmup"))
+             else ""), file=sys.stderr, flush=True)
     from edgespec.serve.notify import Notifier
 
     notifier = Notifier.from_env()   # under systemd (Type=notify): READY now, watchdog pings while serving

@@ -274,12 +274,13 @@ class TorchBackend(Backend):
                    "compact_threshold": compact_threshold})
 
     def warm_up(self, max_sessions: int, max_nodes: int) -> None:
-        """Step every batch bucket up to max_sessions sequences with every tree bucket up to a root
-        and max_nodes drafted nodes (Engine.warmup); the time goes into info.extra."""
+        """Step every batch bucket up to max_sessions sequences with every tree bucket up to max_nodes
+        nodes, root included (Engine.warmup; prefill chunks ride in buckets of at most 64 rows or
+        the trees' size); the count and time go into info.extra["warmup"]."""
         started = time.perf_counter()
         def up_to(n: int) -> list[int]:
             return [1 << i for i in range(bucket(n).bit_length())]
-        buckets = self.engine.warmup(up_to(max_sessions), up_to(max_nodes + 1))
+        buckets = self.engine.warmup(up_to(max_sessions), up_to(max_nodes))
         self.info.extra["warmup"] = {"buckets": buckets, "seconds": round(time.perf_counter() - started, 2)}
 
     def open_session(self) -> TorchSession:

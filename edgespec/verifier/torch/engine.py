@@ -12,13 +12,15 @@ One step, for B sequences with trees of up to T nodes (both rounded up to a buck
 1. host: reserve blocks for each tree (slots ctx_len + i), pack tokens, parents, block tables and
    context lengths (and, when sampling, parameters and one uniform per node) into ONE int64 (and
    one float64) buffer, copied to the device in one transfer each;
-2. device (one CUDA graph per (B, T, context blocks, mode) bucket, captured on first use): depths,
-   ancestor masks, positions and write slots from the parents and tables, the forward
+2. device (one CUDA graph per (B, T, context blocks, mode) bucket, captured by `warmup` or on first
+   use; with graphs, tables are at least MIN_TABLE_BLOCKS wide): depths, ancestor bits, positions
+   and write slots from the parents and tables (tree_ops.prepare), the forward
    (each layer writes its K/V into the tree slots, then attends over the paged cache: see
    tree_attention.py and triton_attention.py), float32 logits, each node's choice (greedy argmax,
    or the target-sample rule's inverse CDF of p at the host's uniform), the accepted path (a node is
    accepted iff every node on its root path matches its parent's choice), the next token, top-2
-   margins, and the compaction: the accepted nodes' K/V rows move to slots ctx_len + depth;
+   margins (tree_ops.accept), and the compaction: the accepted nodes' K/V rows move to slots
+   ctx_len + depth;
 3. host: one small copy back ([B, 2 + 2T] floats: next token, path length, path, margins), the
    sequences' lengths advance and unneeded reserved blocks go back to the pool.
 A chunk of a session's prompt can ride in the same step (TreeStep.prefill_chunk): a chain whose

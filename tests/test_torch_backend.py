@@ -507,12 +507,13 @@ def test_cli_torch_tuning_flags_need_backend_torch(smol_path):
 
 
 def test_warmup_steps_every_batch_and_tree_bucket_and_leaks_nothing(smol_path):
-    """warmup=True (the default with CUDA graphs) steps every (batch, tree) bucket at start: batches
-    up to max_sessions, trees up to max_nodes nodes (root included); their blocks go back."""
+    """warmup=True (the default with CUDA graphs) steps every (batch, tree) bucket at start, in each
+    decision mode: batches up to max_sessions, trees up to max_nodes nodes (root included); their
+    blocks go back."""
     b = TorchBackend(smol_path, n_ctx=256, max_nodes=16, max_sessions=2, warmup=True)
     try:
         assert b.info.extra["warmup"]["buckets"] == 2 * 5        # batches 1, 2 x trees 1 .. 16
-        assert b.engine.stats["steps"] == 10
+        assert b.engine.stats["steps"] == 10 * 3                # greedy and both sampled modes
         assert_no_leaks(b)
     finally:
         b.close()

@@ -422,17 +422,20 @@ def test_paged_cache_random_operations_keep_every_sequence_intact():
 
 
 def test_warmup_steps_every_bucket_and_gives_its_blocks_back():
-    """Engine.warmup runs one greedy step per (B, T) bucket on throwaway sequences (on CUDA each is
-    captured then, not while serving); nothing of it stays in the cache, and steps after it decide
-    as an engine that never warmed up."""
+    """Engine.warmup runs one step per (B, T) bucket and decision mode (greedy, sampled, sampled with
+    top-k) on throwaway sequences (on CUDA each is captured then, not while serving); nothing of it
+    stays in the cache, and steps after it decide as an engine that never warmed up."""
     model = TransformerLM.random(ModelConfig.tiny(), seed=3)
     warm, cold = (Engine(model, num_blocks=64, block_size=4) for _ in range(2))
     free = warm.cache.pool.num_free
     assert warm.warmup([1, 2, 3], [1, 5]) == 6   # batches 1, 2, 4 x trees 1, 8
-    assert warm.stats["steps"] == 6 and warm.cache.pool.num_free == free
+    assert warm.stats["steps"] == 6 * 3 and warm.cache.pool.num_free == free
+    assert warm.warmup([1], [1], sampled=False) == 1 and warm.stats["steps"] == 19
     out = []
     for engine in (warm, cold):
         seq = engine.new_sequence()
         engine.prefill(seq, list(range(1, 12)))
         out.append(engine.verify([TreeStep(seq, [11, 12, 13], [-1, 0, 1])])[0])
-    assert out[0] == out[1]
+        out.append(engine.verify([TreeStep(seq, [5, 6, 7], [-1, 0, 0], SamplingParams(temperature=0.8, seed=7),
+                                           step=3)])[0])
+    assert out[:2] == out[2:]

@@ -275,8 +275,8 @@ class TorchBackend(Backend):
 
     def warm_up(self, max_sessions: int, max_nodes: int) -> None:
         """Step every batch bucket up to max_sessions sequences with every tree bucket up to max_nodes
-        nodes, root included (Engine.warmup; prefill chunks ride in buckets of at most 64 rows or
-        the trees' size); the count and time go into info.extra["warmup"]."""
+        nodes, root included, in each decision mode (Engine.warmup; prefill chunks ride in buckets of
+        at most 64 rows or the trees' size); the count and time go into info.extra["warmup"]."""
         started = time.perf_counter()
         def up_to(n: int) -> list[int]:
             return [1 << i for i in range(bucket(n).bit_length())]

@@ -373,24 +373,30 @@ class Engine:
         nb = bucket(blocks)
         return max(nb, self.MIN_TABLE_BLOCKS) if self.cuda_graphs else nb
 
+    WARMUP_SAMPLING = (SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=40))
+    """One request per device decision mode (GREEDY, SAMPLE, SAMPLE_TRUNCATED): a graph each."""
+
     @torch.no_grad()
-    def warmup(self, batches: Sequence[int], trees: Sequence[int]) -> int:
-        """One greedy step of every bucket (B, T) for B in `batches` and T in `trees` (rounded up to
-        buckets), on throwaway sequences: with CUDA graphs each is captured now (and Triton compiles
-        its kernels for the shape) instead of in the middle of serving, where a capture held the GPU
-        for 0.1 s or more and the planner of the edge that hit it priced every node by it for the
-        next 64 steps (H200 host, 2026-12-01: 19 ms of compute per step at 100 ms RTT, and target-only
-        decoding for 38 steps). Contexts up to MIN_TABLE_BLOCKS blocks then need no new capture.
-        Returns the number of buckets stepped; the sequences' blocks go back to the pool."""
+    def warmup(self, batches: Sequence[int], trees: Sequence[int], sampled: bool = True) -> int:
+        """One step of every bucket (B, T) for B in `batches` and T in `trees` (rounded up to
+        buckets), greedy and (`sampled`) in both sampled modes, on throwaway sequences: with CUDA
+        graphs each is captured now (and Triton compiles its kernels for the shape) instead of in the
+        middle of serving, where a capture held the GPU for 0.1 s or more and the planner of the edge
+        that hit it priced every node by it for the next 64 steps (H200 host, 2026-12-01: 19 ms of
+        compute per step at 100 ms RTT, and target-only decoding for 38 steps). Contexts up to
+        MIN_TABLE_BLOCKS blocks then need no new capture. Returns the number of (B, T) buckets
+        stepped; the sequences' blocks go back to the pool."""
+        modes = self.WARMUP_SAMPLING if sampled else self.WARMUP_SAMPLING[:1]
         done = 0
         for B in sorted({bucket(b) for b in batches}):
             for T in sorted({bucket(t) for t in trees}):
-                seqs = [self.new_sequence() for _ in range(B)]
-                try:
-                    self.verify([TreeStep(seq, [0] * T, chain_parents(T)) for seq in seqs])
-                finally:
-                    for seq in seqs:
-                        seq.close()
+                for sampling in modes:
+                    seqs = [self.new_sequence() for _ in range(B)]
+                    try:
+                        self.verify([TreeStep(seq, [0] * T, chain_parents(T), sampling) for seq in seqs])
+                    finally:
+                        for seq in seqs:
+                            seq.close()
                 done += 1
         return done
 

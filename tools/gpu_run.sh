@@ -3,7 +3,7 @@
 # A lent GPU machine runs one command for at most 10 minutes and keeps /tmp only while it stays busy,
 # so the script runs in phases, one device call each, back to back on the same machine:
 #
-#   tools/gpu_run.sh experiments   # random weights: step variants (attention merge, one-row GEMV / small-rows matmul)
+#   tools/gpu_run.sh experiments   # random weights: step variants (one-row GEMV / small-rows matmul off and on)
 #   tools/gpu_run.sh verifier      # random weights: ceilings, checks, attention vs cuDNN, steps vs HF,
 #                                  #   prefill riding in verify steps, a kernel profile; gpt-fast beside it
 #   tools/gpu_run.sh real          # real weights: greedy equality, capacity with recorded drafts, GPU χ²
@@ -39,7 +39,7 @@ staged() {  # the GGUFs must be complete: sha256 as in ~/.cache/edgespec/models 
 case $phase in
   experiments)
     python3 tools/bench_gpu_verify.py --skip ceilings,checks,attention,hf,capacity,mixed --matmul-sweep --matmul-pick \
-      --matmul-rows 1,16,64 --trees 1,16,64 --attention 'triton,triton!MERGE_ROWS=1' --small-rows-matmul off,16 \
+      --matmul-rows 1,16,64 --trees 1,16,64 --attention triton --small-rows-matmul off,16 \
       --profile-cells 1x1 "${ITERS[@]}" --out "$OUT/variants.json"
     ;;
   verifier)

@@ -124,36 +124,27 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
 @triton.jit
 def _tree_attn_merge(Acc, M, L, O, T, G, MT,
                      H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr,
-                     SPLITS_P2: tl.constexpr, ROWS: tl.constexpr):
-    """One program per (sequence, KV head, ROWS query rows): the splits' maxima and sums as one
-    [splits, ROWS] tile, their partial outputs in an unrolled loop of independent loads (a merge is
-    latency-bound, not bandwidth-bound). ROWS = 1, one-warp programs, measured fastest: 16 rows a
-    program cut the launch count at B = 8, T = 64 but not the step's time, and were slower elsewhere."""
+                     SPLITS_P2: tl.constexpr):
+    """One program per (sequence, KV head, query row): every split's partial result is loaded in
+    one go (no loop of dependent loads: a merge is latency-bound, not bandwidth-bound)."""
     pid_bh = tl.program_id(0)
-    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < MT
+    row = tl.program_id(1)
     b = pid_bh // H_KV
     h = pid_bh % H_KV
     sp = tl.arange(0, SPLITS_P2)
+    sp_ok = sp < NSPLIT
     d = tl.arange(0, D)
-    ok = (sp < NSPLIT)[:, None] & row_ok[None, :]
-    base = (pid_bh * NSPLIT + sp)[:, None] * MT + rows[None, :]
-    m = tl.load(M + base, mask=ok, other=float("-inf"))
-    l_ = tl.load(L + base, mask=ok, other=0.0)
+    base = (pid_bh * NSPLIT + sp) * MT + row
+    m = tl.load(M + base, mask=sp_ok, other=float("-inf"))
+    l_ = tl.load(L + base, mask=sp_ok, other=0.0)
+    acc = tl.load(Acc + base[:, None] * D + d[None, :], mask=sp_ok[:, None], other=0.0)
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_max[None, :])
-    acc = tl.zeros([ROWS, D], tl.float32)
-    for s in tl.static_range(NSPLIT):
-        w_s = tl.sum(tl.where(sp[:, None] == s, w, 0.0), 0)
-        part = tl.load(Acc + ((pid_bh * NSPLIT + s) * MT + rows)[:, None] * D + d[None, :], mask=row_ok[:, None],
-                       other=0.0)
-        acc += w_s[:, None] * part
-    out = acc / tl.maximum(tl.sum(w * l_, 0), 1e-30)[:, None]
-    t = rows // G
-    g = rows % G
-    tl.store(O + ((b * T + t) * H_Q + h * G + g)[:, None] * D + d[None, :], out.to(O.dtype.element_ty),
-             mask=row_ok[:, None])
+    w = tl.exp2(m - m_max)
+    out = tl.sum(w[:, None] * acc, 0) / tl.maximum(tl.sum(w * l_, 0), 1e-30)
+    t = row // G
+    g = row % G
+    tl.store(O + ((b * T + t) * H_Q + h * G + g) * D + d, out.to(O.dtype.element_ty))
 
 
 class TritonPagedAttention:
@@ -167,7 +158,6 @@ class TritonPagedAttention:
     LONG_SPLIT_KEYS = 1024  # a split of at least this many keys gets 64-key tiles and 3 stages
     TARGET_PROGRAMS = 384   # key splits aim at about this many programs (~3 waves of the H200's 132 SMs) ...
     MIN_SPLIT_KEYS = 128    # ... but give each split at least this many keys (fewer partials to write and merge)
-    MERGE_ROWS = 1          # query rows per merge program (16 was slower or equal in every cell, H200 2026-12-01)
 
     def tile_config(self, rows: int, split_keys: int) -> tuple[int, int, int]:
         """(BLOCK_M, BLOCK_N, stages) for `rows` query rows per (sequence, KV head) and about
@@ -241,8 +231,6 @@ class TritonPagedAttention:
             INTERPRET=INTERPRET, H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=self.NUM_WARPS, num_stages=stages)
         if ns > 1:
-            rows = min(self.MERGE_ROWS, triton.next_power_of_2(MT))
-            _tree_attn_merge[(B * Hkv, triton.cdiv(MT, rows))](
-                acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns, SPLITS_P2=triton.next_power_of_2(ns),
-                ROWS=rows, num_warps=1 if rows * D <= 256 else 4)
+            _tree_attn_merge[(B * Hkv, MT)](acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns,
+                                           SPLITS_P2=triton.next_power_of_2(ns), num_warps=1)
         return out

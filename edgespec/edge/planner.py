@@ -219,9 +219,10 @@ class Planner:
         rung = self._rung(obs.shape)
         if obs.draft_decodes and not obs.prepared:   # a prepared tree's drafting was hidden, its draft_s is not its cost
             per_decode = obs.draft_s / obs.draft_decodes
-            if not self.draft_calibrated:   # the first measurement replaces the prior outright
-                self.draft_per_decode_s, self.draft_calibrated = per_decode, True
-            self.draft_per_decode_s = 0.8 * self.draft_per_decode_s + 0.2 * per_decode
+            if self.draft_calibrated:
+                self.draft_per_decode_s = 0.8 * self.draft_per_decode_s + 0.2 * per_decode
+            else:   # the first measurement replaces the prior outright
+                self.calibrate_draft(per_decode)
             old = self.decode_s_by_rung.get(rung)
             self.decode_s_by_rung[rung] = per_decode if old is None else 0.7 * old + 0.3 * per_decode
         count, mean = self.realized.get(rung, (0, 0.0))

@@ -26,8 +26,9 @@ def test_pack_ancestor_bits():
     assert bits[0, 0].tolist() == [1 - 2 ** 31, 0] and bits[0, 1].tolist() == [2, 2]
 
 
-@pytest.mark.parametrize("nsplit", [1, 3, 5])
-def test_triton_kernel_equals_reference(nsplit):
+@pytest.mark.parametrize("nsplit,m_first", [(1, 1), (3, 1), (5, 0)])
+def test_triton_kernel_equals_reference(nsplit, m_first):
+    """Either program order (M_FIRST) gives the torch reference's output."""
     g = torch.Generator().manual_seed(nsplit)
     rng = np.random.default_rng(nsplit)
     B, T, Hkv, G, D, bs = 3, 20, 2, 3, 32, 4
@@ -50,6 +51,7 @@ def test_triton_kernel_equals_reference(nsplit):
     ref = TorchPagedAttention(tables, ctx, anc, bs, G)(q, cache)
     kernel = TritonPagedAttention(tables, ctx, anc, bs, G, nsplit=nsplit)
     kernel.BLOCK_M, kernel.BLOCK_N = 16, 16
+    kernel.M_FIRST = m_first
     out = kernel(q, cache)
     for b, n in enumerate(sizes):
         assert torch.allclose(out[b, :n], ref[b, :n], atol=1e-5), float((out[b, :n] - ref[b, :n]).abs().max())

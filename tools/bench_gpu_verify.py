@@ -263,12 +263,14 @@ def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict,
         row = {"batch": B, "context": L, "tree": T, "floor_ms": floor, "hbm_floor_ms": kv_bytes / ceil["copy_bytes_per_s"] * 1000,
                "compute_floor_ms": flops / ceil["bf16_flop_per_s"] * 1000}
         best = None
-        for cfg in configs.split(","):   # "BMxBNwWARPSsSTAGES", 0x0: the kernel's own choice
-            tile, _, rest = cfg.partition("w")
+        for cfg in configs.split(","):   # "BMxBNwWARPSsSTAGES[!KNOB=V:KNOB=V]", 0x0: the kernel's own choice
+            spec, _, extra = cfg.partition("!")
+            tile, _, rest = spec.partition("w")
             bm, bn = (int(v) for v in tile.split("x"))
             warps, stages = (int(v) for v in rest.split("s"))
+            knobs = {k: int(v) for k, v in (kv.split("=") for kv in extra.split(":") if kv)}
             try:
-                with attention_knobs(BLOCK_M=bm, BLOCK_N=bn, NUM_WARPS=warps, NUM_STAGES=stages):
+                with attention_knobs(BLOCK_M=bm, BLOCK_N=bn, NUM_WARPS=warps, NUM_STAGES=stages, **knobs):
                     att = TritonPagedAttention(tables, ctx, anc, bs, Hq // Hkv)
                     ms = cuda_ms(lambda: att(q, cache), warmup, iters)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile: report, go on

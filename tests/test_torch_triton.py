@@ -127,11 +127,11 @@ def k_slices(k: int, cfg: tuple[int, int, int, int, int]) -> int:
     return math.ceil(k / k_split)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 64, 150])
+@pytest.mark.parametrize("rows", [1, 5, 16, 64])
 def test_linear_rows_equals_f_linear(rows):
     """The small-rows matmul against F.linear (float32: exact products in the interpreter): with a
     bias, unmasked and ragged shapes, split K (summed by its own launch, or left as partials for
-    add_rmsnorm), the SiLU*up input of w2, and 150 rows (two row blocks, the second ragged). (bf16 is checked on the GPU by
+    add_rmsnorm), and the SiLU*up input of w2. (bf16 is checked on the GPU by
     tools/bench_gpu_verify.py's matmuls section: Triton 3.6's interpreter multiplies bf16 tiles in
     tl.dot as raw 16-bit integers.)"""
     import torch.nn.functional as F

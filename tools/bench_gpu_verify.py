@@ -320,10 +320,6 @@ MATMUL_CANDIDATES = {   # (BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages)
     "w13": [(32, 128, 1, 4, 4), (32, 128, 1, 4, 6), (32, 256, 1, 4, 6), (64, 128, 1, 4, 6)],
     "w2": [(64, 128, 7, 4, 4), (64, 128, 7, 4, 6), (64, 128, 14, 4, 5), (128, 128, 14, 8, 5), (64, 256, 7, 4, 5)],
 }
-TALL_CANDIDATES = {   # more than 64 rows (row blocks of fused.LINEAR_ROWS_BLOCK): w2 only, for SiLU*up on load
-    "w2": [(128, 64, 3, 8, 3), (128, 64, 2, 8, 4), (128, 64, 4, 8, 3), (64, 64, 3, 4, 4), (128, 32, 3, 8, 4),
-           (64, 128, 3, 4, 3)],
-}
 GEMV_CANDIDATES = {   # one row only (the kernel's dot-free path; BLOCK_N 8 does not compile for tl.dot)
     "wqkv": [(8, 512, 1, 4, 3), (16, 256, 1, 4, 4), (8, 256, 1, 2, 4)],
     "wo": [(8, 512, 1, 4, 3), (8, 256, 2, 4, 4), (16, 256, 2, 4, 4)],
@@ -384,9 +380,8 @@ def bench_matmuls(args, ceil: dict | None) -> dict:
             ref = F.linear(xin.float(), ws[0].float(), None if b is None else b.float())
             row["cublas_max_abs_err"] = float((F.linear(xin, ws[0], b).float() - ref).abs().max())
             if rows <= fused.LINEAR_ROWS_MAX:
-                tried = (MATMUL_CANDIDATES[name] + (GEMV_CANDIDATES[name] if rows == 1 else []) if rows <= 64
-                         else TALL_CANDIDATES.get(name, []))
-                cfgs = [None] + (tried if args.matmul_sweep else [])
+                cfgs = [None] + (MATMUL_CANDIDATES[name] + (GEMV_CANDIDATES[name] if rows == 1 else [])
+                                 if args.matmul_sweep else [])
                 for cfg in cfgs:
                     try:
                         if name in ("wo", "w2"):

@@ -153,17 +153,16 @@ if triton is not None:
                             HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PARTIALS: tl.constexpr,
                             EVEN: tl.constexpr, IEEE: tl.constexpr, ROWS_P: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out^T [BLOCK_N, ROWS_P] = W[BLOCK_N, k-slice] @ x^T[k-slice, rows] for output columns
-        pid0 * BLOCK_N.., the K slice [pid1 * k_split, +k_split) and rows pid2 * ROWS_P... With one
-        row block each weight element is read once by one program; x (rows padded to ROWS_P >= 16 for
-        tl.dot) is small and comes from L2. More rows than ROWS_P: a row block per pid2.
+        """out^T [BLOCK_N, rows] = W[BLOCK_N, k-slice] @ x^T[k-slice, rows] for output columns
+        pid0 * BLOCK_N.. and the K slice [pid1 * k_split, +k_split). Each weight element is read
+        once by one program; x (rows padded to ROWS_P >= 16 for tl.dot) is small and comes from L2.
         One row (ROWS_P = 1) multiplies and sums instead of tl.dot: a GEMV, without the padded rows.
         SILU: X is gate/up [rows, 2K]; the input is silu(gate) * up, rounded to W's dtype (what
         silu_mul writes). PARTIALS: write float32 [SPLIT, rows, N]; else add the bias, round, write
         O [rows, N]. EVEN: N % BLOCK_N == 0 and every slice is whole BLOCK_K tiles inside K."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
-        r = tl.program_id(2) * ROWS_P + tl.arange(0, ROWS_P)
+        r = tl.arange(0, ROWS_P)
         kk = tl.arange(0, BLOCK_K)
         n_ok = n < N
         r_ok = r < rows
@@ -274,8 +273,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 
 
 # -- the small-rows matmul ------------------------------------------------------------------------
-LINEAR_ROWS_MAX = 512   # the most rows the table is consulted for (beyond 128 rows: row blocks of 128)
-LINEAR_ROWS_BLOCK = 128
+LINEAR_ROWS_MAX = 64
 # (N, K) -> [(max rows, (BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages) or None), ...]: the first row
 # bound that holds; None: cuBLAS is faster there, the forward keeps F.linear. The four Qwen2.5-1.5B
 # matrices: wqkv [2048 x 1536] (+ bias), wo [1536 x 1536], w13 [17920 x 1536], w2 [1536 x 8960]
@@ -288,7 +286,7 @@ LINEAR_ROWS_TABLE: dict[tuple[int, int], list[tuple[int, tuple[int, int, int, in
     (2048, 1536): [(64, None)],
     (1536, 1536): [(1, (8, 512, 1, 4, 3)), (16, (32, 128, 2, 4, 4)), (64, None)],
     (17920, 1536): [(64, None)],
-    (1536, 8960): [(1, (128, 128, 14, 8, 5)), (64, None), (512, (128, 64, 3, 8, 3))],
+    (1536, 8960): [(1, (128, 128, 14, 8, 5)), (64, None)],
 }
 
 
@@ -343,18 +341,17 @@ def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         out = torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    rows_p = 1 if rows == 1 else min(LINEAR_ROWS_BLOCK, max(16, triton.next_power_of_2(rows)))
-    _linear_rows_kernel[(triton.cdiv(n, block_n), split, triton.cdiv(rows, rows_p))](
+    _linear_rows_kernel[(triton.cdiv(n, block_n), split)](
         x, weight, x if bias is None else bias, out, rows, n, k, k_split, x.shape[1], K_TILES=k_split // block_k,
         HAS_BIAS=bias is not None, SILU=silu, PARTIALS=partials, EVEN=even, IEEE=weight.dtype == torch.float32,
-        ROWS_P=rows_p, BLOCK_N=block_n, BLOCK_K=block_k,
+        ROWS_P=1 if rows == 1 else max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages)
     return out
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu: bool = False,
                 config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [rows <= LINEAR_ROWS_MAX, K] (float32 accumulation, output in x's dtype);
+    """F.linear(x, weight, bias) for x [rows <= 64, K] (float32 accumulation, output in x's dtype);
     silu: x is gate/up [rows, 2K] and the input is silu_mul(x). A split-K config adds one small
     launch that sums the partials; linear_rows_partials leaves that to the reader."""
     return _linear_rows_launch(x, weight, bias, silu, False, config)

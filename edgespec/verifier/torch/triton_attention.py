@@ -81,7 +81,7 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
                      MAX_TILES: tl.constexpr, INTERPRET: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr,
                      D: tl.constexpr, BS: tl.constexpr,
                      NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     M_FIRST: tl.constexpr, TABLE_AHEAD: tl.constexpr):
+                     M_FIRST: tl.constexpr):
     if M_FIRST:   # the query tiles of one (sequence, KV head) side by side: they read the same K/V
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(2)
@@ -124,20 +124,15 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
     else:
         # tiles wholly inside the context first (no masks), then the rest (context tail + tree)
         plain = tl.maximum(tl.minimum(end, ctx) - start, 0) // BLOCK_N
-        if TABLE_AHEAD:   # each tile's block ids are loaded one tile early: its K/V loads need not wait for them
-            blk = _blocks(Tables, b, n_tables, start, end, BS, BLOCK_N, True)
-            for it in range(0, plain):
-                j0 = start + it * BLOCK_N
-                ahead = _blocks(Tables, b, n_tables, j0 + BLOCK_N, end, BS, BLOCK_N, True)
-                m_i, l_i, acc = _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale,
-                                      kv_stride_kv, T, W, H_KV, D, BS, BLOCK_N, False)
-                blk = ahead
-        else:
-            for it in range(0, plain):
-                j0 = start + it * BLOCK_N
-                m_i, l_i, acc = _tile(q, KV, _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, False), Bits, m_i, l_i,
-                                      acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale, kv_stride_kv, T, W,
-                                      H_KV, D, BS, BLOCK_N, False)
+        # each tile's block ids are loaded one tile early: its K/V loads need not wait for them (H200,
+        # 2026-12-01: 1.69 -> 1.36 ms at 8 x 32768, 0.36 -> 0.30 at 8 x 4096 against a load per tile)
+        blk = _blocks(Tables, b, n_tables, start, end, BS, BLOCK_N, True)
+        for it in range(0, plain):
+            j0 = start + it * BLOCK_N
+            ahead = _blocks(Tables, b, n_tables, j0 + BLOCK_N, end, BS, BLOCK_N, True)
+            m_i, l_i, acc = _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale,
+                                  kv_stride_kv, T, W, H_KV, D, BS, BLOCK_N, False)
+            blk = ahead
         for it in range(plain, tl.cdiv(end - start, BLOCK_N)):
             j0 = start + it * BLOCK_N
             m_i, l_i, acc = _tile(q, KV, _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, True), Bits, m_i, l_i,
@@ -193,8 +188,6 @@ class TritonPagedAttention:
     MIN_SPLIT_KEYS = 128    # ... but give each split at least this many keys (fewer partials to write and merge)
     M_FIRST = 1             # program ids put a (sequence, KV head)'s query tiles next to each other (shared K/V
                             # in L2): 0.82 -> 0.67 ms at 32 x 2048, 3-4 % at 8 x 4096 and 8 x 32768 (H200, 2026-12-01)
-    TABLE_AHEAD = 1         # load each key tile's block ids one tile ahead (its K/V loads then wait on no table
-                            # load): 1.69 -> 1.36 ms at 8 x 32768, 0.36 -> 0.30 at 8 x 4096 (H200, 2026-12-01)
 
     def tile_config(self, rows: int, split_keys: int) -> tuple[int, int, int]:
         """(BLOCK_M, BLOCK_N, stages) for `rows` query rows per (sequence, KV head) and about
@@ -267,7 +260,7 @@ class TritonPagedAttention:
             1.0 / math.sqrt(D), cache.stride(0), self.tables.shape[1], T, G, W, MT,
             MAX_TILES=triton.cdiv(triton.cdiv(self.max_keys + T, block_n), ns) if INTERPRET else 0,
             INTERPRET=INTERPRET, H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=block_m, BLOCK_N=block_n,
-            M_FIRST=bool(self.M_FIRST), TABLE_AHEAD=bool(self.TABLE_AHEAD),
+            M_FIRST=bool(self.M_FIRST),
             num_warps=self.NUM_WARPS, num_stages=stages)
         if ns > 1:
             _tree_attn_merge[(B * Hkv, MT)](acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns,

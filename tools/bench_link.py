@@ -323,16 +323,17 @@ def run(args: argparse.Namespace) -> dict:
                   "prompts": [n for n, _ in named], "modes": modes, "tbf": {}, "relay": {},
                   "link": "loopback" if args.local_link else "netns", "verifier_args": args.verifier_args,
                   "warmup_tokens": args.warmup_tokens}
-    try:   # EDGESPEC_CODE_REV: the commit, where the checkout's own git is not it (the GPU host's copy)
-        if os.environ.get("EDGESPEC_CODE_REV"):
-            raise OSError("named by EDGESPEC_CODE_REV")
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "edgespec"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        meta["git"] = (head + (" (edgespec/ has uncommitted changes)" if dirty else "")) or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        meta["git"] = os.environ.get("EDGESPEC_CODE_REV") or "unknown"
+    if os.environ.get("EDGESPEC_CODE_REV"):   # the commit, where the checkout's own git is not it (GPU host copy)
+        meta["git"] = os.environ["EDGESPEC_CODE_REV"]
+    else:
+        try:
+            head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                  text=True, timeout=10).stdout.strip()
+            dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no",
+                                    "edgespec"], capture_output=True, text=True, timeout=10).stdout.strip()
+            meta["git"] = (head + (" (edgespec/ has uncommitted changes)" if dirty else "")) or "unknown"
+        except (OSError, subprocess.SubprocessError):
+            meta["git"] = "unknown"
     started = time.monotonic()
     with (local_link if args.local_link else netns_link)(target, args) as link:
         control = link.control

@@ -144,7 +144,9 @@ def test_linear_rows_equals_f_linear(rows):
                       (48, 96, (16, 32, 3, 4, 2)),      # K split in 3 whole tiles
                       (40, 100, (32, 16, 3, 4, 2)),     # split with a ragged last slice
                       (48, 96, None)] + (                # the default config
-                     [(40, 100, (8, 64, 2, 4, 2))] if rows == 1 else []):  # the one-row GEMV: 8 columns a program
+                     [(40, 100, (8, 64, 2, 4, 2)),      # the one-row GEMV: 8 columns a unit, ragged K slices
+                      (256, 96, (8, 32, 3, 4, 2))]      # 96 units on 16 interpreter programs: 6 rounds each
+                     if rows == 1 else []):
         x = torch.randn(rows, k, generator=g)
         w = torch.randn(n, k, generator=g) / k ** 0.5
         b = torch.randn(n, generator=g)

@@ -11,7 +11,9 @@ Sections (each prints a table; everything goes to --out as JSON):
    device decisions with CUDA graphs against accept_greedy on eager logits (tiny float32 model);
 3. attention: tree of 64 nodes, 64 query / 8 KV heads, d 128, bf16, paged (block 16): the Triton
    kernel, the torch reference (gather + masked SDPA), and SDPA with no mask over contiguous K/V
-   (flash, cuDNN: less work than a tree kernel must do), against the roofline floor;
+   (flash, cuDNN: less work than a tree kernel must do), against the roofline floor. Kernels are
+   timed back to back in a CUDA graph (kernel_ms: the verify step runs them so); the Triton default
+   and the SDPA kernels also one eager call at a time (`*_percall_ms`, the method before 2026-12-02);
 4. step: `Engine.verify` (the call TorchBackend.verify_many makes) for B sessions x T tree nodes at
    a fixed context, random weights of the Qwen2.5-Coder-1.5B shape: host packing, one H2D copy,
    the forward + acceptance + compaction replayed as a CUDA graph, one small D2H copy, lengths
@@ -110,6 +112,14 @@ def cuda_ms(fn, warmup: int, iters: int) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def kernel_ms(fn, iters: int, calls: int = 20) -> float:
+    """Milliseconds per call of `calls` back-to-back calls replayed as one CUDA graph: the kernels'
+    own time, as a verify step (itself a graph) sees them. cuda_ms around one eager call also counts
+    the Python launch path (about 0.1 ms for the Triton kernel's wrapper on the GPU host), which a
+    graph never pays."""
+    return graph_us([fn] * calls, iters) / 1000
 
 
 def wall_ms(fn, warmup: int, iters: int) -> float:
@@ -272,7 +282,9 @@ def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict,
             try:
                 with attention_knobs(BLOCK_M=bm, BLOCK_N=bn, NUM_WARPS=warps, NUM_STAGES=stages, **knobs):
                     att = TritonPagedAttention(tables, ctx, anc, bs, Hq // Hkv)
-                    ms = cuda_ms(lambda: att(q, cache), warmup, iters)
+                    ms = kernel_ms(lambda: att(q, cache), iters)
+                    if cfg == configs.split(",")[0]:   # one call at a time from Python, as before 2026-12-02
+                        row["triton_percall_ms"] = cuda_ms(lambda: att(q, cache), warmup, iters)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile: report, go on
                 row[f"triton_{cfg}"] = f"error: {type(exc).__name__}: {str(exc)[:120]}"
                 continue
@@ -293,14 +305,16 @@ def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict,
                               ("sdpa_cudnn_nomask_ms", SDPBackend.CUDNN_ATTENTION)):
             try:
                 with sdpa_kernel([backend]):
-                    row[name] = cuda_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
-                        qh, k, v, enable_gqa=True), warmup, iters)
+                    def sdpa() -> torch.Tensor:
+                        return torch.nn.functional.scaled_dot_product_attention(qh, k, v, enable_gqa=True)
+                    row[name] = kernel_ms(sdpa, iters)
+                    row[name.replace("_ms", "_percall_ms")] = cuda_ms(sdpa, warmup, iters)
             except Exception:  # noqa: BLE001 - GQA not taken by this kernel: repeat K/V per head
                 kr, vr = k.repeat_interleave(Hq // Hkv, 1), v.repeat_interleave(Hq // Hkv, 1)
                 try:
                     with sdpa_kernel([backend]):
-                        row[name] = cuda_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qh, kr, vr),
-                                            warmup, iters)
+                        row[name] = kernel_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qh, kr, vr),
+                                              iters)
                     row[name.replace("_ms", "_kv_repeated")] = True
                 except Exception as exc:  # noqa: BLE001
                     row[name.replace("_ms", "")] = f"error: {type(exc).__name__}: {str(exc)[:100]}"
@@ -501,9 +515,8 @@ def _steps(engine: Engine, args, config: ModelConfig, batches, trees, attention:
         seqs = fill(engine, B, args.context)
         for T in trees:
             steps = []
-            for s in seqs:
-                parents = random_parents(T, rng)
-                steps.append(TreeStep(s, rng.integers(0, config.vocab_size, size=T).tolist(), parents))
+            for s in seqs:   # int64 arrays, as TorchBackend passes a wire tree's tokens and parents
+                steps.append(TreeStep(s, rng.integers(0, config.vocab_size, size=T), np.array(random_parents(T, rng))))
 
             def step() -> None:
                 engine.verify(steps)
@@ -994,7 +1007,9 @@ def summary(result: dict) -> str:
         lines.append(f"attention B={r['batch']} L={r['context']}: triton {r.get('triton_ms', math.nan):.4f} "
                      f"({r.get('triton_config')}), torch paged {r.get('torch_paged_ms', math.nan):.4f}, "
                      f"cuDNN no-mask {r.get('sdpa_cudnn_nomask_ms', math.nan):.4f}, flash no-mask "
-                     f"{r.get('sdpa_flash_nomask_ms', math.nan):.4f}, floor {r['floor_ms']:.4f} ms")
+                     f"{r.get('sdpa_flash_nomask_ms', math.nan):.4f}, floor {r['floor_ms']:.4f} ms (graph-replayed); "
+                     f"one eager call: triton {r.get('triton_percall_ms', math.nan):.4f}, cuDNN "
+                     f"{r.get('sdpa_cudnn_nomask_percall_ms', math.nan):.4f}")
     return "\n".join(lines)
 
 

@@ -324,15 +324,16 @@ class Engine:
             return []
         if len({id(s.seq) for s in steps}) != len(steps):
             raise ValueError("one tree per sequence in a step")
-        if any(s.host_rule is None and not decided_on_device(s.sampling) for s in steps):
-            raise ValueError("a step under a host-decided rule needs its host_rule")
-        if any(s.prefill and (s.host_rule is not None or not s.sampling.greedy) for s in steps):
-            raise ValueError("a prefill chunk is greedy and decided on the device")
+        limit = self.model.rope.max_positions
+        for s in steps:   # one pass of checks (host time is step time at B = 1)
+            if s.host_rule is None and not decided_on_device(s.sampling):
+                raise ValueError("a step under a host-decided rule needs its host_rule")
+            if s.prefill and (s.host_rule is not None or not s.sampling.greedy):
+                raise ValueError("a prefill chunk is greedy and decided on the device")
+            if s.seq.length + len(s.tokens) > limit:  # near the end: exact depth
+                self._check_positions(s.seq.length + int(depths(s.parents).max()) + 1)
         bs = self.cache.block_size
         T_real = max(len(s.tokens) for s in steps)
-        for s in steps:
-            if s.seq.length + len(s.tokens) > self.model.rope.max_positions:  # near the end: exact depth
-                self._check_positions(s.seq.length + int(depths(s.parents).max()) + 1)
         reserved = []
         try:
             for s in steps:

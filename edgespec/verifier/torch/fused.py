@@ -13,7 +13,9 @@ split-K kernels that take 3-5x the time the weight bytes need. Each program owns
 columns and streams its weight rows once; where N / BLOCK_N gives too few programs to fill the GPU,
 K is split across programs too and the float32 partials [SPLIT, rows, N] are summed by whoever
 reads them next: add_rmsnorm (wo and w2 feed the residual add), so a split costs no extra launch.
-Block sizes come from a static table per weight shape (LINEAR_ROWS_TABLE), not triton.autotune
+One row (a verify step of one token) is a GEMV with its own persistent kernel (_gemv_kernel): a
+fixed grid of programs that each stream several (column block, K slice) units with the next tile's
+loads always in flight. Block sizes come from a static table per weight shape (LINEAR_ROWS_TABLE), not triton.autotune
 (autotuning inside a CUDA-graph capture would run the candidates into the graph).
 """
 from __future__ import annotations
@@ -156,8 +158,7 @@ if triton is not None:
         """out^T [BLOCK_N, rows] = W[BLOCK_N, k-slice] @ x^T[k-slice, rows] for output columns
         pid0 * BLOCK_N.. and the K slice [pid1 * k_split, +k_split). Each weight element is read
         once by one program; x (rows padded to ROWS_P >= 16 for tl.dot) is small and comes from L2.
-        One row (ROWS_P = 1) multiplies and sums instead of tl.dot: a GEMV, without the padded rows.
-        SILU: X is gate/up [rows, 2K]; the input is silu(gate) * up, rounded to W's dtype (what
+        (One row takes _gemv_kernel instead.) SILU: X is gate/up [rows, 2K]; the input is silu(gate) * up, rounded to W's dtype (what
         silu_mul writes). PARTIALS: write float32 [SPLIT, rows, N]; else add the bias, round, write
         O [rows, N]. EVEN: N % BLOCK_N == 0 and every slice is whole BLOCK_K tiles inside K."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -185,9 +186,7 @@ if triton is not None:
                 xt = (g / (1.0 + tl.exp(-g)) * u).to(w.dtype)
             else:
                 xt = tl.load(x_ptr + k0, mask=xm, other=0.0)
-            if ROWS_P == 1:   # one row: a dot-free GEMV (no padding to 16 rows, BLOCK_N may be 8)
-                acc += tl.sum(w.to(tl.float32) * tl.trans(xt.to(tl.float32)), 1)[:, None]
-            elif IEEE:
+            if IEEE:
                 acc = tl.dot(w, xt, acc, input_precision="ieee")
             else:
                 acc = tl.dot(w, xt, acc)
@@ -198,6 +197,71 @@ if triton is not None:
             if HAS_BIAS:
                 acc += tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             tl.store(O + r[None, :] * N + n[:, None], acc.to(O.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _gemv_tile(X, W, N, K, k_split, units, it, pid, progs, ITERS: tl.constexpr, K_TILES: tl.constexpr,
+                   SPLIT: tl.constexpr, SILU: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+        """Loads of _gemv_kernel's flat iteration `it`: the weight tile, the input slice (gate and up
+        with SILU; else x twice), and where the tile's sums go."""
+        nn = tl.arange(0, BLOCK_N)
+        kk = tl.arange(0, BLOCK_K)
+        u = pid + (it // K_TILES) * progs
+        kt = it % K_TILES
+        part = u % SPLIT
+        n = (u // SPLIT) * BLOCK_N + nn
+        k = part * k_split + kt * BLOCK_K + kk
+        unit_ok = (u < units) & (it < ITERS)
+        if EVEN:
+            n_ok = (nn >= 0) & unit_ok
+            k_ok = kk >= 0
+        else:
+            n_ok = (n < N) & unit_ok
+            k_ok = (k < K) & (kt * BLOCK_K + kk < k_split)
+        w = tl.load(W + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(X + k, mask=k_ok & unit_ok, other=0.0)
+        if SILU:
+            up = tl.load(X + K + k, mask=k_ok & unit_ok, other=0.0)
+        else:
+            up = g
+        return w, g, up, n, n_ok, part, kt
+
+    @triton.jit
+    def _gemv_kernel(X, W, Bias, O, N, K, k_split, units, ITERS: tl.constexpr, K_TILES: tl.constexpr,
+                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PARTIALS: tl.constexpr,
+                     EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One row: out[n] = W[n, :] . x, persistent. A work unit is BLOCK_N output columns times one of
+        SPLIT K slices; program p takes units p, p + P, p + 2P, ... in ONE flat loop over (unit, K
+        tile), loading iteration it + 1's tiles before it sums iteration it's: a program always has a
+        tile in flight, also from one unit into the next, and every SM streams weights until the
+        matrix is done (a program per unit leaves a partial last wave: w2 ran 168 programs on 132
+        SMs). ITERS = ceil(units / P) * K_TILES for every program; one short of a unit in its last
+        round masks that round off. u = column block * SPLIT + slice, so partials [SPLIT, 1, N] are
+        written in place: no atomics, the same sums every run."""
+        pid = tl.program_id(0)
+        progs = tl.num_programs(0)
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        w, g, up, n, n_ok, part, kt = _gemv_tile(X, W, N, K, k_split, units, 0, pid, progs, ITERS, K_TILES, SPLIT,
+                                                 SILU, EVEN, BLOCK_N, BLOCK_K)
+        for it in range(0, ITERS):
+            w1, g1, up1, n1, n_ok1, part1, kt1 = _gemv_tile(X, W, N, K, k_split, units, it + 1, pid, progs, ITERS,
+                                                            K_TILES, SPLIT, SILU, EVEN, BLOCK_N, BLOCK_K)
+            if SILU:   # silu(gate) * up, rounded to the weights' dtype as silu_mul writes it
+                gf = g.to(tl.float32)
+                x = (gf / (1.0 + tl.exp(-gf)) * up.to(tl.float32)).to(w.dtype).to(tl.float32)
+            else:
+                x = g.to(tl.float32)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+            last = kt == K_TILES - 1
+            if PARTIALS:
+                tl.store(O + part * N + n, acc, mask=n_ok & last)
+            else:
+                out = acc
+                if HAS_BIAS:
+                    out += tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)
+                tl.store(O + n, out.to(O.dtype.element_ty), mask=n_ok & last)
+            acc = tl.where(last, 0.0, acc)
+            w, g, up, n, n_ok, part, kt = w1, g1, up1, n1, n_ok1, part1, kt1
 
     @triton.jit
     def _sum_partials_kernel(P, Bias, O, rows, N, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -278,15 +342,17 @@ LINEAR_ROWS_MAX = 64
 # bound that holds; None: cuBLAS is faster there, the forward keeps F.linear. The four Qwen2.5-1.5B
 # matrices: wqkv [2048 x 1536] (+ bias), wo [1536 x 1536], w13 [17920 x 1536], w2 [1536 x 8960]
 # (w2 taking gate/up, SiLU*up applied as it loads). SPLIT only where N / BLOCK_N alone leaves SMs
-# idle (132 on an H200). One row runs the kernel's dot-free GEMV. Picked by tools/bench_gpu_verify.py
-# --matmul-sweep on the H200 (docs/BENCHMARKS.md, 2026-12-01 17:44 UTC), us per call against cuBLAS:
-# one row: wo 4.76 vs 6.30, w2 + SiLU*up 11.34 vs 12.59 (cuBLAS + silu_mul); wqkv 5.35 vs 5.23 and
-# w13 19.8 vs 17.4 stay on cuBLAS; 16 rows: wo 4.24 vs 5.31; at 64 rows none wins.
+# idle (132 on an H200). One row runs the persistent GEMV (_gemv_kernel), picked on the H200 on
+# 2026-12-01 (23:00 UTC, 28 weight copies per CUDA graph, docs/BENCHMARKS.md), us per call: wqkv 4.27
+# vs cuBLAS 5.60; wo 3.45 vs 4.73 for the earlier one-program-per-tile GEMV; w2 + SiLU*up 10.03 vs
+# 10.98 (and 5 partials for the next norm to sum, not 14); w13 17.9 vs cuBLAS 17.2 stays on cuBLAS.
+# 16 rows (tools/bench_gpu_verify.py --matmul-sweep, 2026-12-01 17:44 UTC): wo 4.24 vs 5.31; at 64
+# rows none wins.
 LINEAR_ROWS_TABLE: dict[tuple[int, int], list[tuple[int, tuple[int, int, int, int, int] | None]]] = {
-    (2048, 1536): [(64, None)],
-    (1536, 1536): [(1, (8, 512, 1, 4, 3)), (16, (32, 128, 2, 4, 4)), (64, None)],
+    (2048, 1536): [(1, (8, 512, 1, 8, 3)), (64, None)],
+    (1536, 1536): [(1, (8, 256, 2, 4, 3)), (16, (32, 128, 2, 4, 4)), (64, None)],
     (17920, 1536): [(64, None)],
-    (1536, 8960): [(1, (128, 128, 14, 8, 5)), (64, None)],
+    (1536, 8960): [(1, (16, 256, 5, 4, 3)), (64, None)],
 }
 
 
@@ -317,8 +383,19 @@ def linear_rows_config(rows: int, n: int, k: int) -> tuple[int, int, int, int, i
     return block_n, block_k, split, 4, 3
 
 
+GEMV_PROGRAMS_PER_SM = 4   # the one-row GEMV's persistent grid (H200: 4 beat 1 and 2, 2026-12-01)
+
+
+def _gemv_programs(device: torch.device) -> int:
+    """GEMV_PROGRAMS_PER_SM programs for every SM of `device` (4 SMs stand in for the interpreter)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return GEMV_PROGRAMS_PER_SM * sms
+
+
 def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
                         partials: bool, cfg: tuple[int, int, int, int, int] | None) -> torch.Tensor:
+    """One row: the persistent GEMV (_gemv_kernel); more: _linear_rows_kernel. A K split writes float32
+    partials, returned as they are (partials) or summed, with the bias, by one more launch."""
     rows = x.shape[0]
     n, k = weight.shape
     if not 0 < rows <= LINEAR_ROWS_MAX:
@@ -327,26 +404,35 @@ def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             or n * k >= 2 ** 31:
         raise ValueError(f"linear_rows: x {tuple(x.shape)} against weight {tuple(weight.shape)} (contiguous)")
     block_n, block_k, split, warps, stages = cfg or linear_rows_config(rows, n, k)
-    if not partials and split > 1:
-        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-        p = _linear_rows_launch(x, weight, None, silu, True, (block_n, block_k, split, warps, stages))
-        blk = min(1024, triton.next_power_of_2(n))
-        _sum_partials_kernel[(rows, triton.cdiv(n, blk))](p, p if bias is None else bias, out, rows, n, PARTS=split,
-                                                         HAS_BIAS=bias is not None, BLOCK=blk, num_warps=4)
-        return out
     k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_split)
     even = n % block_n == 0 and k % k_split == 0
-    if partials:
+    to_partials = partials or split > 1
+    if to_partials:
         out = torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    _linear_rows_kernel[(triton.cdiv(n, block_n), split)](
-        x, weight, x if bias is None else bias, out, rows, n, k, k_split, x.shape[1], K_TILES=k_split // block_k,
-        HAS_BIAS=bias is not None, SILU=silu, PARTIALS=partials, EVEN=even, IEEE=weight.dtype == torch.float32,
-        ROWS_P=1 if rows == 1 else max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages)
-    return out
+    has_bias = bias is not None and not to_partials
+    if rows == 1:
+        units = triton.cdiv(n, block_n) * split
+        progs = min(units, _gemv_programs(x.device))
+        _gemv_kernel[(progs,)](x, weight, x if bias is None else bias, out, n, k, k_split, units,
+                               ITERS=triton.cdiv(units, progs) * (k_split // block_k), K_TILES=k_split // block_k,
+                               SPLIT=split, HAS_BIAS=has_bias, SILU=silu, PARTIALS=to_partials, EVEN=even,
+                               BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    else:
+        _linear_rows_kernel[(triton.cdiv(n, block_n), split)](
+            x, weight, x if bias is None else bias, out, rows, n, k, k_split, x.shape[1], K_TILES=k_split // block_k,
+            HAS_BIAS=has_bias, SILU=silu, PARTIALS=to_partials, EVEN=even, IEEE=weight.dtype == torch.float32,
+            ROWS_P=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=warps, num_stages=stages)
+    if partials or split == 1:
+        return out
+    summed = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    blk = min(1024, triton.next_power_of_2(n))
+    _sum_partials_kernel[(rows, triton.cdiv(n, blk))](out, out if bias is None else bias, summed, rows, n,
+                                                     PARTS=split, HAS_BIAS=bias is not None, BLOCK=blk, num_warps=4)
+    return summed
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu: bool = False,

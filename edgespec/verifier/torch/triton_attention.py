@@ -186,6 +186,9 @@ class TritonPagedAttention:
     LONG_SPLIT_KEYS = 1024  # a split of at least this many keys gets 64-key tiles and 3 stages
     TARGET_PROGRAMS = 384   # key splits aim at about this many programs (~3 waves of the H200's 132 SMs) ...
     MIN_SPLIT_KEYS = 128    # ... but give each split at least this many keys (fewer partials to write and merge)
+    FEW_ROWS_SPLIT_KEYS = 32  # ... except for a 16-row query tile (T = 1 or 2): down to one key tile per split.
+                              # A few rows are a latency-bound chain of tile loads; at context 1024 (12/2 heads)
+                              # 32 splits took 5.95 us a layer against 7.97 for 8 (H200, 2026-12-01)
     M_FIRST = 1             # program ids put a (sequence, KV head)'s query tiles next to each other (shared K/V
                             # in L2): 0.82 -> 0.67 ms at 32 x 2048, 3-4 % at 8 x 4096 and 8 x 32768 (H200, 2026-12-01)
 
@@ -225,18 +228,19 @@ class TritonPagedAttention:
         self.max_keys = tables.shape[1] * block_size
         self.nsplit = nsplit
 
-    def splits(self, B: int, h_kv: int, m_tiles: int) -> int:
-        """Enough programs to fill the GPU (TARGET_PROGRAMS), but >= MIN_SPLIT_KEYS keys per split."""
+    def splits(self, B: int, h_kv: int, m_tiles: int, block_m: int) -> int:
+        """Enough programs to fill the GPU (TARGET_PROGRAMS), but >= MIN_SPLIT_KEYS keys per split
+        (FEW_ROWS_SPLIT_KEYS for 16-row tiles); at most 32 splits."""
         if self.nsplit:
             return self.nsplit
         want = math.ceil(self.TARGET_PROGRAMS / max(1, B * h_kv * m_tiles))
-        most = max(1, self.max_keys // self.MIN_SPLIT_KEYS)
+        most = max(1, self.max_keys // (self.FEW_ROWS_SPLIT_KEYS if block_m <= 16 else self.MIN_SPLIT_KEYS))
         return int(max(1, min(want, most, 32)))
 
     def launch_config(self, B: int, rows: int, h_kv: int) -> tuple[int, int, int, int]:
         """(BLOCK_M, BLOCK_N, stages, splits) for B sequences of `rows` query rows per KV head."""
         block_m = self.tile_config(rows, 0)[0]
-        ns = self.splits(B, h_kv, triton.cdiv(rows, block_m))
+        ns = self.splits(B, h_kv, triton.cdiv(rows, block_m), block_m)
         _, block_n, stages = self.tile_config(rows, self.max_keys // ns)
         return block_m, block_n, stages, ns
 

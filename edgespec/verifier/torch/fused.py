@@ -343,9 +343,11 @@ LINEAR_ROWS_MAX = 64
 # matrices: wqkv [2048 x 1536] (+ bias), wo [1536 x 1536], w13 [17920 x 1536], w2 [1536 x 8960]
 # (w2 taking gate/up, SiLU*up applied as it loads). SPLIT only where N / BLOCK_N alone leaves SMs
 # idle (132 on an H200). One row runs the persistent GEMV (_gemv_kernel), picked on the H200 on
-# 2026-12-01 (23:00 UTC, 28 weight copies per CUDA graph, docs/BENCHMARKS.md), us per call: wqkv 4.27
-# vs cuBLAS 5.60; wo 3.45 vs 4.73 for the earlier one-program-per-tile GEMV; w2 + SiLU*up 10.03 vs
-# 10.98 (and 5 partials for the next norm to sum, not 14); w13 17.9 vs cuBLAS 17.2 stays on cuBLAS.
+# 2026-12-01 (docs/BENCHMARKS.md, seventh session; 28 weight copies per CUDA graph), us per call in
+# one call: wqkv 4.85 vs cuBLAS 5.60, wo 3.95 vs 4.73 for the earlier one-program-per-tile GEMV, w2 +
+# SiLU*up 10.73 vs 10.98 (and 5 partials for the next norm to sum, not 14), w13 17.9 vs cuBLAS 17.2
+# (stays on cuBLAS); loading the next tile ahead then took wqkv 4.70 -> 4.27, wo 3.93 -> 3.45, w2
+# 10.18 -> 10.03 in another call.
 # 16 rows (tools/bench_gpu_verify.py --matmul-sweep, 2026-12-01 17:44 UTC): wo 4.24 vs 5.31; at 64
 # rows none wins.
 LINEAR_ROWS_TABLE: dict[tuple[int, int], list[tuple[int, tuple[int, int, int, int, int] | None]]] = {

@@ -304,6 +304,30 @@ def test_sessions_share_prefix_blocks(backend, smol_model):
     assert_no_leaks(backend)
 
 
+def test_sync_as_step_rows_equals_eager_sync(backend, smol_model):
+    """A session's own sync with mixed_prefill (the GPU default: chunks verified as prefill rows of a
+    step, by verify_many's code for syncs alone) commits the same K/V as eager chunks: the same next
+    decision, the same margins (float32)."""
+    prompt = chat(smol_model, " ".join(PROMPTS) + " Then explain each answer in two sentences, with one "
+                  "historical fact about the city, one about the fruits, and a docstring for the function.")
+    assert len(prompt) - 1 > backend.alone_chunk, "the sync should take several chunks"
+    tree = TokenTree(tokens=np.array([prompt[-1], 30, 31]), parents=np.array([-1, 0, 0]))
+    got = []
+    for mixed in (False, True):
+        backend.mixed_prefill = mixed
+        try:
+            session = backend.open_session()
+            chunks = list(session.sync_chunks(prompt))
+            got.append((chunks, session.verify(tree, GREEDY, 0)))
+            session.close()
+        finally:
+            backend.mixed_prefill = False
+    (eager_chunks, eager), (rows_chunks, rows) = got
+    assert eager_chunks[-1] == rows_chunks[-1] == len(prompt) and len(rows_chunks) > 1
+    assert eager.tokens == rows.tokens and np.allclose(eager.margins, rows.margins, atol=1e-4)
+    assert_no_leaks(backend)
+
+
 # -- losslessness on the float32 path ---------------------------------------------------------------
 def target_only(backend, prompt, n):
     """Greedy decoding with the torch target alone: root-only trees, one token per step."""

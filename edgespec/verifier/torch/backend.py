@@ -175,15 +175,19 @@ class PrefillWork:
             self.session.committed = self.tokens
 
     def run_chunk(self) -> None:
-        """One standalone chunk: where the backend runs prefill as verify-step rows (mixed_prefill:
-        CUDA), a chain of `alone_chunk` tokens verified as its own step, i.e. a replayed CUDA graph;
-        else an eager forward of `prefill_chunk` tokens without logits."""
+        """One standalone chunk, raising what fails it (the work stays retryable): where the backend
+        runs prefill as verify-step rows (mixed_prefill: CUDA), a chain of `alone_chunk` tokens
+        verified as its own step, i.e. a replayed CUDA graph, by the same code as verify_many's syncs
+        alone; else an eager forward of `prefill_chunk` tokens without logits."""
         backend = self.session.backend
+        if backend.mixed_prefill:
+            backend._run_riders(backend._riders([self], backend.alone_chunk, limit=1, mixed=False))
+            error, self.error = self.error, None
+            if error is not None:
+                raise error
+            return
         if self.remaining > 0:
-            if backend.mixed_prefill:
-                backend.engine.verify([TreeStep.prefill_chunk(self.session.seq, self.next_chunk(backend.alone_chunk))])
-            else:
-                backend.engine.append(self.session.seq, self.next_chunk(backend.engine.prefill_chunk))
+            backend.engine.append(self.session.seq, self.next_chunk(backend.engine.prefill_chunk))
         self.advanced()
 
 

@@ -174,6 +174,32 @@ def test_linear_rows_equals_f_linear(rows):
     assert torch.allclose(y, y_ref, atol=1e-5) and torch.allclose(x_new, x_ref, atol=1e-5)
 
 
+def test_one_row_gemv_in_bfloat16():
+    """The one-row GEMV as the step runs it, in bf16 (its dot-free sums run in the interpreter in any
+    dtype): bf16 weights and input, float32 sums, one rounding at the end; SiLU*up rounded to bf16
+    before the product. Against float32 F.linear of the same bf16 values; the SiLU*up input exactly,
+    with the rounding the interpreter does (its float32 -> bf16 conversion truncates where the GPU
+    rounds to nearest even)."""
+    import torch.nn.functional as F
+
+    from edgespec.verifier.torch import fused
+
+    g = torch.Generator().manual_seed(3)
+    for n, k, cfg in [(256, 512, (8, 128, 2, 4, 3)), (72, 200, (16, 64, 3, 4, 3))]:   # even; ragged
+        x = torch.randn(1, k, generator=g).bfloat16()
+        w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+        b = torch.randn(n, generator=g).bfloat16()
+        ref = F.linear(x.float(), w.float(), b.float())
+        got = fused.linear_rows(x, w, b, config=cfg)
+        assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), ref, rtol=1e-2, atol=1e-2)
+        gu = torch.randn(1, 2 * k, generator=g).bfloat16()
+        gate, up = gu.float().chunk(2, dim=-1)
+        silu = (F.silu(gate) * up).view(torch.int32).bitwise_and(-65536).view(torch.float32)   # truncated to bf16
+        p = fused.linear_rows_partials(gu, w, silu=True, config=cfg)
+        assert p.dtype == torch.float32
+        assert torch.allclose(p.sum(0), F.linear(silu, w.float()), rtol=1e-5, atol=1e-5)
+
+
 def test_fused_forward_small_rows_matmul_equals_cublas_path(monkeypatch):
     """The fused forward with linear_rows for the block matmuls equals the one with F.linear (tiny
     float32 model, one tree step over a prefilled context, torch attention). The tiny shapes get

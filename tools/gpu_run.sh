@@ -3,8 +3,8 @@
 # A lent GPU machine runs one command for at most 10 minutes and keeps /tmp only while it stays busy,
 # so the script runs in phases, one device call each, back to back on the same machine:
 #
-#   tools/gpu_run.sh experiments   # random weights: attention tiles and splits at the target's shape (B = 8,
-#                                  #   T = 64), and B = 8 steps with fewer key splits
+#   tools/gpu_run.sh experiments   # random weights: the tree's keys in a split of their own (TREE_SPLIT)
+#                                  #   against the default, in steps and on the BASELINES shapes
 #   tools/gpu_run.sh verifier      # random weights: ceilings, checks, attention vs cuDNN, steps vs HF,
 #                                  #   prefill riding in verify steps, a kernel profile; gpt-fast beside it
 #   tools/gpu_run.sh real          # real weights: greedy equality, capacity with recorded drafts, GPU χ²
@@ -41,9 +41,9 @@ staged() {  # the GGUFs must be complete: sha256 as in ~/.cache/edgespec/models 
 
 case $phase in
   experiments)
-    python3 tools/bench_attention_tiles.py --cells 8x64 --grid full --out "$OUT/tiles.json"
-    python3 tools/bench_gpu_verify.py --skip ceilings,checks,attention,hf,capacity,mixed,matmuls --batches 8 --trees 16,64 \
-      --attention 'triton,triton@96:128,triton@192:128,triton@96:128#32x64' "${ITERS[@]}" --out "$OUT/variants.json"
+    python3 tools/bench_gpu_verify.py --skip checks,hf,capacity,mixed,matmuls --trees 1,16,64 \
+      --attention 'triton,triton!TREE_SPLIT=1' --attention-configs '0x0w4s0,0x0w4s0!TREE_SPLIT=1,128x64w8s3' \
+      "${ITERS[@]}" --out "$OUT/variants.json"
     ;;
   verifier)
     site

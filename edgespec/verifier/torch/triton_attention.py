@@ -81,7 +81,7 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
                      MAX_TILES: tl.constexpr, INTERPRET: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr,
                      D: tl.constexpr, BS: tl.constexpr,
                      NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     M_FIRST: tl.constexpr):
+                     M_FIRST: tl.constexpr, TREE_SPLIT: tl.constexpr):
     if M_FIRST:   # the query tiles of one (sequence, KV head) side by side: they read the same K/V
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(2)
@@ -93,10 +93,14 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
     h = pid_bh % H_KV
     ctx = tl.load(Ctx + b)
     n_keys = ctx + T
-    tiles = tl.cdiv(n_keys, BLOCK_N)
-    per_split = tl.cdiv(tiles, NSPLIT)
-    start = pid_s * per_split * BLOCK_N
-    end = tl.minimum(start + per_split * BLOCK_N, n_keys)
+    if TREE_SPLIT:   # the last split takes the tree's keys alone; the others share the context's
+        per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), NSPLIT - 1)
+        start = tl.where(pid_s == NSPLIT - 1, ctx, pid_s * per_split * BLOCK_N)
+        end = tl.where(pid_s == NSPLIT - 1, n_keys, tl.minimum(start + per_split * BLOCK_N, ctx))
+    else:
+        per_split = tl.cdiv(tl.cdiv(n_keys, BLOCK_N), NSPLIT)
+        start = pid_s * per_split * BLOCK_N
+        end = tl.minimum(start + per_split * BLOCK_N, n_keys)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < G * T
@@ -191,6 +195,10 @@ class TritonPagedAttention:
                               # 32 splits took 5.95 us a layer against 7.97 for 8 (H200, 2026-12-01)
     M_FIRST = 1             # program ids put a (sequence, KV head)'s query tiles next to each other (shared K/V
                             # in L2): 0.82 -> 0.67 ms at 32 x 2048, 3-4 % at 8 x 4096 and 8 x 32768 (H200, 2026-12-01)
+    TREE_SPLIT = 0          # 1: one more split that takes the tree's (masked) keys alone, so that the context's
+                            # programs run unmasked tiles only and the tree tile's unpipelined loads overlap them.
+                            # Not yet measured: off. (The tree tile costs 6-18 % of the kernel on the H200 today,
+                            # docs/BENCHMARKS.md, seventh session; `triton!TREE_SPLIT=1` times it as a variant.)
 
     def tile_config(self, rows: int, split_keys: int) -> tuple[int, int, int]:
         """(BLOCK_M, BLOCK_N, stages) for `rows` query rows per (sequence, KV head) and about
@@ -240,7 +248,7 @@ class TritonPagedAttention:
     def launch_config(self, B: int, rows: int, h_kv: int) -> tuple[int, int, int, int]:
         """(BLOCK_M, BLOCK_N, stages, splits) for B sequences of `rows` query rows per KV head."""
         block_m = self.tile_config(rows, 0)[0]
-        ns = self.splits(B, h_kv, triton.cdiv(rows, block_m), block_m)
+        ns = self.splits(B, h_kv, triton.cdiv(rows, block_m), block_m) + (1 if self.TREE_SPLIT else 0)
         _, block_n, stages = self.tile_config(rows, self.max_keys // ns)
         return block_m, block_n, stages, ns
 
@@ -262,9 +270,10 @@ class TritonPagedAttention:
         _tree_attn_split[grid](
             q, cache, self.tables, self.ctx, self.bits, acc, m, l_, out,
             1.0 / math.sqrt(D), cache.stride(0), self.tables.shape[1], T, G, W, MT,
-            MAX_TILES=triton.cdiv(triton.cdiv(self.max_keys + T, block_n), ns) if INTERPRET else 0,
+            MAX_TILES=triton.cdiv(triton.cdiv(self.max_keys + T, block_n), max(1, ns - self.TREE_SPLIT)) + 1
+            if INTERPRET else 0,
             INTERPRET=INTERPRET, H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=block_m, BLOCK_N=block_n,
-            M_FIRST=bool(self.M_FIRST),
+            M_FIRST=bool(self.M_FIRST), TREE_SPLIT=bool(self.TREE_SPLIT),
             num_warps=self.NUM_WARPS, num_stages=stages)
         if ns > 1:
             _tree_attn_merge[(B * Hkv, MT)](acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns,

@@ -81,6 +81,11 @@ def attention_knobs(**values: int) -> Iterator[None]:
             setattr(TritonPagedAttention, k, v)
 
 
+def knob_values(spec: str) -> dict[str, str]:
+    """A variant's "KNOB=V:KNOB=V" suffix (after "!") as {knob: value}; "" -> {}."""
+    return dict(kv.split("=", 1) for kv in spec.split(":") if kv)
+
+
 def replayed_graph(engine: Engine, B: int, T: int):  # noqa: ANN201 - a torch.cuda.CUDAGraph
     """The CUDA graph the engine captured for B sequences x T tree nodes (the first of its modes)."""
     st = next(v for k, v in engine._static.items() if k[:2] == (bucket(B), bucket(T)))
@@ -273,17 +278,17 @@ def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict,
         row = {"batch": B, "context": L, "tree": T, "floor_ms": floor, "hbm_floor_ms": kv_bytes / ceil["copy_bytes_per_s"] * 1000,
                "compute_floor_ms": flops / ceil["bf16_flop_per_s"] * 1000}
         best = None
-        for cfg in configs.split(","):   # "BMxBNwWARPSsSTAGES[!KNOB=V:KNOB=V]", 0x0: the kernel's own choice
+        for i, cfg in enumerate(configs.split(",")):   # "BMxBNwWARPSsSTAGES[!KNOB=V:KNOB=V]"; 0x0: its own choice
             spec, _, extra = cfg.partition("!")
             tile, _, rest = spec.partition("w")
             bm, bn = (int(v) for v in tile.split("x"))
             warps, stages = (int(v) for v in rest.split("s"))
-            knobs = {k: int(v) for k, v in (kv.split("=") for kv in extra.split(":") if kv)}
+            knobs = {k: int(v) for k, v in knob_values(extra).items()}
             try:
                 with attention_knobs(BLOCK_M=bm, BLOCK_N=bn, NUM_WARPS=warps, NUM_STAGES=stages, **knobs):
                     att = TritonPagedAttention(tables, ctx, anc, bs, Hq // Hkv)
                     ms = kernel_ms(lambda: att(q, cache), iters)
-                    if cfg == configs.split(",")[0]:   # one call at a time from Python, as before 2026-12-02
+                    if i == 0:   # one call at a time from Python, as before 2026-12-02
                         row["triton_percall_ms"] = cuda_ms(lambda: att(q, cache), warmup, iters)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile: report, go on
                 row[f"triton_{cfg}"] = f"error: {type(exc).__name__}: {str(exc)[:120]}"
@@ -485,7 +490,7 @@ def bench_steps(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dic
             knobs["TARGET_PROGRAMS"], knobs["MIN_SPLIT_KEYS"] = (int(v) for v in policy.split(":"))
         if tiles:
             knobs["BLOCK_M"], knobs["BLOCK_N"] = (int(v) for v in tiles.split("x"))
-        knobs.update({k: v for k, v in (kv.split("=") for kv in extra.split(":") if kv)})
+        knobs.update(knob_values(extra))
         blas = knobs.pop("BLAS", "default")     # !BLAS=cublaslt: torch's preferred BLAS library for the variant
         knobs = {k: int(v) for k, v in knobs.items()}
         engine = Engine(model, num_blocks=max(batches) * per_seq + 8, block_size=16, attention=attention,

@@ -323,8 +323,9 @@ def run(args: argparse.Namespace) -> dict:
                   "prompts": [n for n, _ in named], "modes": modes, "tbf": {}, "relay": {},
                   "link": "loopback" if args.local_link else "netns", "verifier_args": args.verifier_args,
                   "warmup_tokens": args.warmup_tokens}
-    if os.environ.get("EDGESPEC_CODE_REV"):   # the commit, where the checkout's own git is not it (GPU host copy)
-        meta["git"] = os.environ["EDGESPEC_CODE_REV"]
+    code_rev = os.environ.get("EDGESPEC_CODE_REV")   # the commit, where the checkout's own git is not it (GPU host)
+    if code_rev:
+        meta["git"] = code_rev
     else:
         try:
             head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,

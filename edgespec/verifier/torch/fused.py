@@ -141,13 +141,18 @@ if triton is not None:
         tl.store(dst + D // 2, o2, mask=ok)
 
     @triton.jit
+    def _silu_times(gate, up):
+        """silu(gate) * up in float32: the one formula behind silu_mul and the matmuls that take gate/up."""
+        g = gate.to(tl.float32)
+        return g / (1.0 + tl.exp(-g)) * up.to(tl.float32)
+
+    @triton.jit
     def _silu_mul_kernel(GU, O, F_: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < F_
-        g = tl.load(GU + row * 2 * F_ + cols, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(GU + row * 2 * F_ + F_ + cols, mask=ok, other=0.0).to(tl.float32)
-        y = g / (1.0 + tl.exp(-g)) * u
+        y = _silu_times(tl.load(GU + row * 2 * F_ + cols, mask=ok, other=0.0),
+                        tl.load(GU + row * 2 * F_ + F_ + cols, mask=ok, other=0.0))
         tl.store(O + row * F_ + cols, y.to(O.dtype.element_ty), mask=ok)
 
     @triton.jit
@@ -159,8 +164,9 @@ if triton is not None:
         pid0 * BLOCK_N.. and the K slice [pid1 * k_split, +k_split). Each weight element is read
         once by one program; x (rows padded to ROWS_P >= 16 for tl.dot) is small and comes from L2.
         (One row takes _gemv_kernel instead.) SILU: X is gate/up [rows, 2K]; the input is
-        silu(gate) * up, rounded to W's dtype (what silu_mul writes). PARTIALS: write float32 [SPLIT, rows, N]; else add the bias, round, write
-        O [rows, N]. EVEN: N % BLOCK_N == 0 and every slice is whole BLOCK_K tiles inside K."""
+        silu(gate) * up, rounded to W's dtype (what silu_mul writes). PARTIALS: write float32
+        [SPLIT, rows, N]; else add the bias, round, write O [rows, N]. EVEN: N % BLOCK_N == 0 and
+        every slice is whole BLOCK_K tiles inside K."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         r = tl.arange(0, ROWS_P)
@@ -181,9 +187,8 @@ if triton is not None:
                 w = tl.load(w_ptr + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 xm = r_ok[None, :] & k_ok[:, None]
             if SILU:
-                g = tl.load(x_ptr + k0, mask=xm, other=0.0).to(tl.float32)
-                u = tl.load(x_ptr + K + k0, mask=xm, other=0.0).to(tl.float32)
-                xt = (g / (1.0 + tl.exp(-g)) * u).to(w.dtype)
+                xt = _silu_times(tl.load(x_ptr + k0, mask=xm, other=0.0),
+                                 tl.load(x_ptr + K + k0, mask=xm, other=0.0)).to(w.dtype)
             else:
                 xt = tl.load(x_ptr + k0, mask=xm, other=0.0)
             if IEEE:
@@ -247,8 +252,7 @@ if triton is not None:
             w1, g1, up1, n1, n_ok1, part1, kt1 = _gemv_tile(X, W, N, K, k_split, units, it + 1, pid, progs, ITERS,
                                                             K_TILES, SPLIT, SILU, EVEN, BLOCK_N, BLOCK_K)
             if SILU:   # silu(gate) * up, rounded to the weights' dtype as silu_mul writes it
-                gf = g.to(tl.float32)
-                x = (gf / (1.0 + tl.exp(-gf)) * up.to(tl.float32)).to(w.dtype).to(tl.float32)
+                x = _silu_times(g, up).to(w.dtype).to(tl.float32)
             else:
                 x = g.to(tl.float32)
             acc += tl.sum(w.to(tl.float32) * x[None, :], 1)

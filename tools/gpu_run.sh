@@ -42,7 +42,7 @@ staged() {  # the GGUFs must be complete: sha256 as in ~/.cache/edgespec/models 
 case $phase in
   experiments)
     python3 tools/bench_gpu_verify.py --skip checks,hf,capacity,mixed,matmuls --trees 1,16,64 \
-      --attention 'triton,triton!TREE_SPLIT=1' --attention-configs '0x0w4s0,0x0w4s0!TREE_SPLIT=1,128x64w8s3' \
+      --attention 'triton,triton!TREE_SPLIT=1' --attention-configs '0x0w4s0,0x0w4s0!TREE_SPLIT=1,128x64w8s3,128x64w8s3!TREE_SPLIT=1' \
       "${ITERS[@]}" --out "$OUT/variants.json"
     ;;
   verifier)

@@ -57,3 +57,33 @@ def test_sampled_trees_need_a_draft_distribution():
     bad = tree([1, 2, 9], [-1, 0, 0], q_tokens=ok.q_tokens, q_weights=ok.q_weights)
     with pytest.raises(InvalidTreeError, match="not in its draft distribution"):
         bad.validate(VOCAB, require_q=True)
+
+
+def test_a_tree_is_immutable_and_validate_remembers_what_it_checked():
+    mine = np.array([5, 6, 7], np.int32)
+    tree = TokenTree(tokens=mine, parents=np.array([-1, 0, 1], np.int32))
+    mine[0] = 9                                   # the caller's array is not the tree's
+    assert tree.tokens[0] == 5 and mine.flags.writeable
+    with pytest.raises(ValueError):
+        tree.tokens[0] = 1                        # read-only: a checked tree cannot change afterwards
+    with pytest.raises(ValueError):
+        tree.depths[0] = 1
+    tree.validate(100, max_nodes=8)
+    assert tree.max_depth == 2 and tree.depths.tolist() == [0, 1, 2]
+    tree.validate(100, max_nodes=8, max_depth=2)  # remembered checks, depth compared with the cached depths
+    with pytest.raises(InvalidTreeError, match="tree depth 2 exceeds the limit of 1"):
+        tree.validate(100, max_nodes=8, max_depth=1)
+    with pytest.raises(InvalidTreeError, match="outside the vocabulary"):
+        tree.validate(7, max_nodes=8)             # other limits: checked again
+    with pytest.raises(InvalidTreeError, match="over the limit"):
+        tree.validate(100, max_nodes=2)
+    with pytest.raises(InvalidTreeError, match="no draft distribution"):
+        tree.validate(100, max_nodes=8, require_q=True)
+    tree.validate(100, max_nodes=8)               # the first set of limits still holds
+
+
+def test_a_failed_validation_is_not_remembered():
+    tree = TokenTree(tokens=np.array([1, 2], np.int32), parents=np.array([-1, 5], np.int32))
+    for _ in range(2):
+        with pytest.raises(InvalidTreeError, match="parents must precede children"):
+            tree.validate(100)

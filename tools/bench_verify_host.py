@@ -7,7 +7,8 @@ function that does it; "host" is the whole verify_many minus the step function (
 
     .venv/bin/python tools/bench_verify_host.py --sessions 16 --tree 64 [--sampled] [--cprofile]
 
-Times are CPU seconds of the calling thread (time.thread_time: steadier than wall time on a
+Each tree is first checked as verifier/server.py checks a Verify in its request thread (reported
+apart: it is not on the batch thread). Times are CPU seconds of the calling thread (time.thread_time: steadier than wall time on a
 shared box; torch runs on one thread here), medians over --iters batches, in milliseconds.
 Compare two versions of the code by running this once with each on PYTHONPATH (see
 docs/BENCHMARKS.md); results_sha (accepted paths and tokens) and kv_sha (the cache) must agree.
@@ -100,10 +101,20 @@ def main() -> None:
         return [(s, random_tree(s.committed[-1], args.tree, config.vocab_size, rng), sampling, step)
                 for s in sessions]
 
+    def as_the_server_does(requests: list) -> float:
+        """The checks verifier/server.py runs on each Verify in its request thread, before the batch
+        (concurrently with other batches' GPU time there); CPU seconds, not part of verify_many."""
+        t = time.thread_time()
+        for _, tree, samp, _ in requests:
+            tree.validate(config.vocab_size, max_nodes=backend.info.max_nodes, require_q=samp.needs_q)
+            int(tree.depths.max())
+        return time.thread_time() - t
+
     samples: dict[str, list[float]] = defaultdict(list)
     results = []
     for it in range(args.warmup + args.iters):
         requests = batch(it)
+        arrival = as_the_server_does(requests)
         spent.clear()
         if prof is not None and it >= args.warmup:
             prof.enable()
@@ -117,6 +128,7 @@ def main() -> None:
             for k, v in spent.items():
                 samples[k].append(v * 1e3)
             samples["verify_many"].append(total * 1e3)
+            samples["request threads: server checks (not in verify_many)"].append(arrival * 1e3)
             samples["host (verify_many - step function)"].append((total - spent["step function"]) * 1e3)
     ms = {k: round(statistics.median(v), 3) for k, v in samples.items()}
     print(json.dumps({"code": edgespec.__file__, "sessions": args.sessions, "tree": args.tree,

@@ -22,24 +22,40 @@ from edgespec.common.sampling import dequantize
 MAX_TREE_NODES = 255  # llama.cpp allows at most 256 sequences; one per leaf plus the context
 
 
+def _frozen(value: object, dtype: type) -> np.ndarray:
+    """A read-only contiguous array of `value`; the caller's own writeable array is copied first (a
+    tree never freezes, or changes under, an array its caller still holds)."""
+    arr = np.ascontiguousarray(value, dtype=dtype)
+    if arr is value and arr.flags.writeable:
+        arr = arr.copy()
+    arr.flags.writeable = False
+    return arr
+
+
 @dataclass(frozen=True)
 class TokenTree:
+    """Immutable (its arrays are read-only), so `validate` remembers what it has checked: the
+    verifier's request thread validates a tree as it arrives and the batch thread's check of the
+    same tree is then free (docs/BENCHMARKS.md, verify host time)."""
+
     tokens: np.ndarray
     parents: np.ndarray
     q_tokens: np.ndarray = field(default_factory=lambda: np.zeros((1, 0), np.int32))
     q_weights: np.ndarray = field(default_factory=lambda: np.zeros((1, 0), np.uint16))
+    _checked: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    _depths: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "tokens", np.ascontiguousarray(self.tokens, dtype=np.int32))
-        object.__setattr__(self, "parents", np.ascontiguousarray(self.parents, dtype=np.int32))
+        object.__setattr__(self, "tokens", _frozen(self.tokens, np.int32))
+        object.__setattr__(self, "parents", _frozen(self.parents, np.int32))
         n = len(self.tokens)
         q_tokens = np.asarray(self.q_tokens, dtype=np.int32)
         q_weights = np.asarray(self.q_weights, dtype=np.uint16)
         if q_tokens.shape[1:] == (0,) and q_tokens.shape[0] != n:  # default: no q
             q_tokens = np.zeros((n, 0), np.int32)
             q_weights = np.zeros((n, 0), np.uint16)
-        object.__setattr__(self, "q_tokens", np.ascontiguousarray(q_tokens))
-        object.__setattr__(self, "q_weights", np.ascontiguousarray(q_weights))
+        object.__setattr__(self, "q_tokens", _frozen(q_tokens, np.int32))
+        object.__setattr__(self, "q_weights", _frozen(q_weights, np.uint16))
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -54,8 +70,20 @@ class TokenTree:
 
     @property
     def depths(self) -> np.ndarray:
-        """Depth of each node (root 0); valid only after `validate` (parents precede children)."""
-        return np.array(_depths(self.parents.tolist()), np.int32)
+        """Depth of each node (root 0), read-only; valid only after `validate` (parents precede children)."""
+        if self._depths is None:
+            self._set_depths(_depths(self.parents.tolist()))
+        return self._depths
+
+    @property
+    def max_depth(self) -> int:
+        """The deepest node's depth (0 for a lone root); valid only after `validate`."""
+        return int(self.depths.max())
+
+    def _set_depths(self, depths: list[int]) -> None:
+        arr = np.array(depths, np.int32)
+        arr.flags.writeable = False
+        object.__setattr__(self, "_depths", arr)
 
     def children(self) -> list[list[int]]:
         """Children of every node, in draw order."""
@@ -85,7 +113,16 @@ class TokenTree:
     # -- validation ---------------------------------------------------------------------------
     def validate(self, vocab_size: int, max_nodes: int = MAX_TREE_NODES, max_depth: int | None = None,
                  require_q: bool = False) -> None:
-        """Raise InvalidTreeError unless the tree is safe to decode and verify."""
+        """Raise InvalidTreeError unless the tree is safe to decode and verify. The structural checks
+        run once per tree and set of limits; max_depth is then a comparison with the cached depths."""
+        checked = (vocab_size, max_nodes, require_q)
+        if self._checked != checked:
+            self._validate(vocab_size, max_nodes, require_q)
+            object.__setattr__(self, "_checked", checked)
+        if max_depth is not None and self.max_depth > max_depth:
+            raise InvalidTreeError(f"tree depth {self.max_depth} exceeds the limit of {max_depth}")
+
+    def _validate(self, vocab_size: int, max_nodes: int, require_q: bool) -> None:
         n = len(self)
         if n == 0:
             raise InvalidTreeError("tree is empty: it needs at least the root token")
@@ -103,11 +140,9 @@ class TokenTree:
             raise InvalidTreeError(f"node 0 must be the root (parent -1), got parent {self.parents[0]}")
         if n == 1:
             self._validate_q(vocab_size, require_q)
+            self._set_depths([0])
             return
-        parents = self.parents.tolist()
-        depths = _depths(parents, check=True)
-        if max_depth is not None and max(depths) > max_depth:
-            raise InvalidTreeError(f"tree depth {max(depths)} exceeds the limit of {max_depth}")
+        self._set_depths(_depths(self.parents.tolist(), check=True))
         # (parent, token) pairs as one sorted key: equal neighbours are duplicate siblings; the smallest
         # such key names the first parent in node order, as a per-parent loop would
         key = np.sort(self.parents[1:].astype(np.int64) * vocab_size + tokens[1:])

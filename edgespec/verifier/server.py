@@ -165,7 +165,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         tree = wire.tree_from_proto(msg.tree, max_nodes=i.max_nodes, max_k=i.max_k)
         sampling = wire.sampling_from_proto(msg.sampling)
         tree.validate(i.vocab_size, max_nodes=i.max_nodes, require_q=sampling.needs_q)
-        depth = int(tree.depths.max())
+        depth = tree.max_depth
         if depth > i.max_depth:
             raise TreeTooLargeError(f"tree depth {depth} is over this verifier's limit of {i.max_depth}")
         if self.registry.batcher is not None:  # several sessions' trees per forward

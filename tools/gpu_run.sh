@@ -4,7 +4,8 @@
 # so the script runs in phases, one device call each, back to back on the same machine:
 #
 #   tools/gpu_run.sh experiments   # random weights: the tree's keys in a split of their own (TREE_SPLIT)
-#                                  #   against the default, in steps and on the BASELINES shapes
+#                                  #   against the default, in steps and on the BASELINES shapes; RoPE in
+#                                  #   the one-row wqkv GEMV (GEMV_ROPE), checked, then in the steps
 #   tools/gpu_run.sh verifier      # random weights: ceilings, checks, attention vs cuDNN, steps vs HF,
 #                                  #   prefill riding in verify steps, a kernel profile; gpt-fast beside it
 #   tools/gpu_run.sh real          # real weights: greedy equality, capacity with recorded drafts, GPU χ²
@@ -44,8 +45,8 @@ staged() {  # the GGUFs a phase reads must be complete: sha256 as in ~/.cache/ed
 
 case $phase in
   experiments)
-    python3 tools/bench_gpu_verify.py --skip checks,hf,capacity,mixed,matmuls --trees 1,16,64 \
-      --attention 'triton,triton!TREE_SPLIT=1' --attention-configs '0x0w4s0,0x0w4s0!TREE_SPLIT=1,128x64w8s3,128x64w8s3!TREE_SPLIT=1' \
+    python3 tools/bench_gpu_verify.py --skip hf,capacity,mixed,matmuls --checks gemv_rope --trees 1,16,64 \
+      --attention 'triton,triton!TREE_SPLIT=1,triton!GEMV_ROPE=1' --attention-configs '0x0w4s0,0x0w4s0!TREE_SPLIT=1,128x64w8s3,128x64w8s3!TREE_SPLIT=1' \
       "${ITERS[@]}" --out "$OUT/variants.json"
     ;;
   verifier)

@@ -206,15 +206,19 @@ if triton is not None:
     @triton.jit
     def _gemv_tile(X, W, N, K, k_split, units, it, pid, progs, ITERS: tl.constexpr, K_TILES: tl.constexpr,
                    SPLIT: tl.constexpr, SILU: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, ROPE_D: tl.constexpr):
         """Loads of _gemv_kernel's flat iteration `it`: the weight tile, the input slice (gate and up
-        with SILU; else x twice), and where the tile's sums go."""
+        with SILU; else x twice), and where the tile's sums go. ROPE_D > 0 (a head size): column j of a
+        unit is output d + (j % 2) * ROPE_D / 2 of its head, d = j // 2 within the head, so the two
+        halves RoPE rotates together come out of one program, side by side."""
         nn = tl.arange(0, BLOCK_N)
         kk = tl.arange(0, BLOCK_K)
         u = pid + (it // K_TILES) * progs
         kt = it % K_TILES
         part = u % SPLIT
         n = (u // SPLIT) * BLOCK_N + nn
+        if ROPE_D > 0:
+            n = (n // ROPE_D) * ROPE_D + (n % ROPE_D) // 2 + (n % 2) * (ROPE_D // 2)
         k = part * k_split + kt * BLOCK_K + kk
         unit_ok = (u < units) & (it < ITERS)
         if EVEN:
@@ -232,9 +236,34 @@ if triton is not None:
         return w, g, up, n, n_ok, part, kt
 
     @triton.jit
-    def _gemv_kernel(X, W, Bias, O, N, K, k_split, units, ITERS: tl.constexpr, K_TILES: tl.constexpr,
+    def _rope_store_pairs(out, n, ok, Cos, Sin, Slots, KC, VC, QO, v_offset, H_Q: tl.constexpr,
+                          H_KV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+        """_gemv_kernel's epilogue with ROPE_D: the one row's q/k/v outputs `out` (columns n, pairs of
+        halves side by side, _gemv_tile) rounded as the matmul writes them, q and k rotated, q to QO and
+        k, v to their cache slot: what rope_store does with them, without the launch."""
+        x1, x2 = tl.split(tl.reshape(out.to(QO.dtype.element_ty).to(tl.float32), [BLOCK_N // 2, 2]))
+        n1, _ = tl.split(tl.reshape(n, [BLOCK_N // 2, 2]))
+        ok1, _ = tl.split(tl.reshape(ok.to(tl.int32), [BLOCK_N // 2, 2]))
+        head = n1 // D
+        d = n1 % D
+        c = tl.load(Cos + d, mask=ok1 != 0, other=0.0)
+        s = tl.load(Sin + d, mask=ok1 != 0, other=0.0)
+        rotate = head < H_Q + H_KV   # v heads are stored as they are
+        o1 = tl.where(rotate, x1 * c - x2 * s, x1).to(QO.dtype.element_ty)
+        o2 = tl.where(rotate, x2 * c + x1 * s, x2).to(QO.dtype.element_ty)
+        slot = tl.load(Slots)
+        dst = tl.where(head < H_Q, QO + head * D,
+                       tl.where(head < H_Q + H_KV, KC + (slot * H_KV + head - H_Q) * D,
+                                VC + v_offset + (slot * H_KV + head - H_Q - H_KV) * D)) + d
+        tl.store(dst, o1, mask=ok1 != 0)
+        tl.store(dst + D // 2, o2, mask=ok1 != 0)
+
+    @triton.jit
+    def _gemv_kernel(X, W, Bias, O, N, K, k_split, units, Cos, Sin, Slots, KC, VC, v_offset,
+                     ITERS: tl.constexpr, K_TILES: tl.constexpr,
                      SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PARTIALS: tl.constexpr,
-                     EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     ROPE_D: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr):
         """One row: out[n] = W[n, :] . x, persistent. A work unit is BLOCK_N output columns times one of
         SPLIT K slices; program p takes units p, p + P, p + 2P, ... in ONE flat loop over (unit, K
         tile), loading iteration it + 1's tiles before it sums iteration it's: a program always has a
@@ -242,15 +271,16 @@ if triton is not None:
         matrix is done (a program per unit leaves a partial last wave: w2 ran 168 programs on 132
         SMs). ITERS = ceil(units / P) * K_TILES for every program; one short of a unit in its last
         round masks that round off. u = column block * SPLIT + slice, so partials [SPLIT, 1, N] are
-        written in place: no atomics, the same sums every run."""
+        written in place: no atomics, the same sums every run. ROPE_D > 0 (wqkv, one token): no O
+        row; _rope_store_pairs rotates and stores q (to O, [H_Q, D]) and k, v (to the cache)."""
         pid = tl.program_id(0)
         progs = tl.num_programs(0)
         acc = tl.zeros([BLOCK_N], tl.float32)
         w, g, up, n, n_ok, part, kt = _gemv_tile(X, W, N, K, k_split, units, 0, pid, progs, ITERS, K_TILES, SPLIT,
-                                                 SILU, EVEN, BLOCK_N, BLOCK_K)
+                                                 SILU, EVEN, BLOCK_N, BLOCK_K, ROPE_D)
         for it in range(0, ITERS):
             w1, g1, up1, n1, n_ok1, part1, kt1 = _gemv_tile(X, W, N, K, k_split, units, it + 1, pid, progs, ITERS,
-                                                            K_TILES, SPLIT, SILU, EVEN, BLOCK_N, BLOCK_K)
+                                                            K_TILES, SPLIT, SILU, EVEN, BLOCK_N, BLOCK_K, ROPE_D)
             if SILU:   # silu(gate) * up, rounded to the weights' dtype as silu_mul writes it
                 x = _silu_times(g, up).to(w.dtype).to(tl.float32)
             else:
@@ -263,7 +293,11 @@ if triton is not None:
                 out = acc
                 if HAS_BIAS:
                     out += tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)
-                tl.store(O + n, out.to(O.dtype.element_ty), mask=n_ok & last)
+                if ROPE_D > 0:
+                    _rope_store_pairs(out, n, n_ok & last, Cos, Sin, Slots, KC, VC, O, v_offset, H_Q, H_KV, ROPE_D,
+                                      BLOCK_N)
+                else:
+                    tl.store(O + n, out.to(O.dtype.element_ty), mask=n_ok & last)
             acc = tl.where(last, 0.0, acc)
             w, g, up, n, n_ok, part, kt = w1, g1, up1, n1, n_ok1, part1, kt1
 
@@ -423,10 +457,11 @@ def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if rows == 1:
         units = triton.cdiv(n, block_n) * split
         progs = min(units, _gemv_programs(x.device))
-        _gemv_kernel[(progs,)](x, weight, x if bias is None else bias, out, n, k, k_split, units,
+        _gemv_kernel[(progs,)](x, weight, x if bias is None else bias, out, n, k, k_split, units, x, x, x, x, x, 0,
                                ITERS=triton.cdiv(units, progs) * (k_split // block_k), K_TILES=k_split // block_k,
                                SPLIT=split, HAS_BIAS=has_bias, SILU=silu, PARTIALS=to_partials, EVEN=even,
-                               BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+                               BLOCK_N=block_n, BLOCK_K=block_k, ROPE_D=0, H_Q=0, H_KV=0,
+                               num_warps=warps, num_stages=stages)
     else:
         _linear_rows_kernel[(triton.cdiv(n, block_n), split)](
             x, weight, x if bias is None else bias, out, rows, n, k, k_split, x.shape[1], K_TILES=k_split // block_k,
@@ -469,6 +504,51 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: t
     _rope_store_kernel[(rows, triton.cdiv(heads, per_program))](
         qkv, cos, sin, slots, cache, cache, q, cache.stride(0), H_Q=n_head, H_KV=n_head_kv, D=D, HEADS=per_program,
         num_warps=4 if per_program * D >= 2048 else 1)
+    return q
+
+
+GEMV_ROPE = 0   # 1: a one-token step's wqkv GEMV also does RoPE and the cache writes (linear_rope_store): one
+                # launch a layer fewer. Not yet measured on a GPU: off (`triton!GEMV_ROPE=1` in bench_gpu_verify)
+
+
+def gemv_rope_fits(rows: int, weight: torch.Tensor, head_dim: int) -> bool:
+    """Whether linear_rope_store can serve this matmul: GEMV_ROPE on, one row, and a table config
+    whose column blocks pair within heads (even BLOCK_N dividing head_dim) with K unsplit."""
+    if not GEMV_ROPE or rows != 1 or not linear_rows_wins(rows, *weight.shape):
+        return False
+    block_n, _, split, _, _ = linear_rows_config(rows, *weight.shape)
+    return split == 1 and block_n % 2 == 0 and head_dim % block_n == 0 and weight.shape[0] % head_dim == 0
+
+
+def linear_rope_store_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+                            sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, n_head: int,
+                            n_head_kv: int) -> torch.Tensor:
+    """rope_store_torch(F.linear(x, weight, bias), ...): the reference of linear_rope_store."""
+    return rope_store_torch(F.linear(x, weight, bias), cos, sin, cache, slots, n_head, n_head_kv)
+
+
+def linear_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+                      sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, n_head: int,
+                      n_head_kv: int) -> torch.Tensor:
+    """rope_store(linear_rows(x, weight, bias), ...) for one row in one launch (gemv_rope_fits): the
+    GEMV's epilogue rotates q and k and writes q [1, n_head, D] (returned) and k, v to the cache slot."""
+    n, k = weight.shape
+    D = cache.shape[-1]
+    if x.shape != (1, k) or n != (n_head + 2 * n_head_kv) * D:
+        raise ValueError(f"linear_rope_store: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"{n_head}+2*{n_head_kv} heads of {D}")
+    block_n, block_k, split, warps, stages = linear_rows_config(1, n, k)
+    if split != 1 or block_n % 2 or D % block_n:
+        raise ValueError(f"linear_rope_store: config {(block_n, block_k, split)} does not pair within heads of {D}")
+    q = torch.empty(1, n_head, D, dtype=x.dtype, device=x.device)
+    units = n // block_n
+    progs = min(units, _gemv_programs(x.device))
+    k_tiles = triton.cdiv(k, block_k)
+    _gemv_kernel[(progs,)](x, weight, x if bias is None else bias, q, n, k, k_tiles * block_k, units, cos, sin, slots,
+                           cache, cache, cache.stride(0), ITERS=triton.cdiv(units, progs) * k_tiles, K_TILES=k_tiles,
+                           SPLIT=1, HAS_BIAS=bias is not None, SILU=False,
+                           PARTIALS=False, EVEN=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, ROPE_D=D,
+                           H_Q=n_head, H_KV=n_head_kv, num_warps=warps, num_stages=stages)
     return q
 
 

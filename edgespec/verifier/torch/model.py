@@ -253,9 +253,14 @@ class TransformerLM(nn.Module):
         x = self.embed(tokens).view(rows, c.d_model)
         cos, sin = cos.reshape(rows, -1), sin.reshape(rows, -1)
         h, x = fused.add_rmsnorm(x, None, self.layers[0].attn_norm.weight, c.norm_eps)
+        rope_in_gemv = use["wqkv"] and fused.gemv_rope_fits(rows, blk.wqkv.weight, c.head_dim)
         for i, layer in enumerate(self.layers):
-            qkv = fused.linear_rows(h, layer.wqkv.weight, layer.wqkv.bias) if use["wqkv"] else layer.wqkv(h)
-            q = fused.rope_store(qkv, cos, sin, cache[i], slots, c.n_head, c.n_head_kv)
+            if rope_in_gemv:   # one launch: the GEMV's epilogue rotates and writes the cache
+                q = fused.linear_rope_store(h, layer.wqkv.weight, layer.wqkv.bias, cos, sin, cache[i], slots,
+                                            c.n_head, c.n_head_kv)
+            else:
+                qkv = fused.linear_rows(h, layer.wqkv.weight, layer.wqkv.bias) if use["wqkv"] else layer.wqkv(h)
+                q = fused.rope_store(qkv, cos, sin, cache[i], slots, c.n_head, c.n_head_kv)
             att = attend(q.view(B, T, c.n_head, c.head_dim), cache[i]).reshape(rows, -1)
             out = fused.linear_rows_partials(att, layer.wo.weight) if use["wo"] else layer.wo(att)
             h, x = fused.add_rmsnorm(x, out, layer.ffn_norm.weight, c.norm_eps)   # partials: summed here

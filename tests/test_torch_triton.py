@@ -94,11 +94,16 @@ def test_fused_ops_equal_torch_references():
     assert torch.allclose(margin, margin_ref) and margin[1] == 0 and margin[2] == 0 and margin[4] == 0.5
 
 
-def test_engine_with_triton_kernels_equals_torch_engine():
+@pytest.mark.parametrize("move_kernel", [0, 1])
+def test_engine_with_triton_kernels_equals_torch_engine(monkeypatch, move_kernel):
     """The whole verify step with the fused kernels and the Triton attention (interpreted) gives
-    the torch engine's logits and decisions (tiny float32 model)."""
+    the torch engine's logits, decisions and compacted cache (tiny float32 model); also with the
+    compaction copy as one kernel (tree_ops.MOVE_ROWS_KERNEL)."""
+    from edgespec.verifier.torch import tree_ops
     from edgespec.verifier.torch.engine import Engine, TreeStep
     from edgespec.verifier.torch.model import ModelConfig, TransformerLM
+
+    monkeypatch.setattr(tree_ops, "MOVE_ROWS_KERNEL", move_kernel)
 
     model = TransformerLM.random(ModelConfig.tiny("qwen2"), dtype=torch.float32, seed=2)
     rng = np.random.default_rng(3)
@@ -111,14 +116,17 @@ def test_engine_with_triton_kernels_equals_torch_engine():
         seq = engine.new_sequence()
         engine.prefill(seq, prefix)
         logits = engine.logits(seq, tokens, parents)
-        tokens[1] = int(logits[0].argmax())
+        tokens[2] = int(logits[0].argmax())             # node 2, not 1: compaction moves it one slot back
+        tokens[1] = (tokens[2] + 1) % 512
         logits = engine.logits(seq, tokens, parents)
         [d] = engine.verify([TreeStep(seq, tokens, parents)])
-        out.append((logits, d))
+        slots = [seq.blocks[p // 4] * 4 + p % 4 for p in range(seq.length)]   # the committed positions
+        out.append((logits, d, engine.cache.flat[:, :, slots].clone()))
     model.fused_ops = False
     assert torch.allclose(out[0][0], out[1][0], atol=1e-4)
-    (_, a), (_, b) = out
-    assert (a.path, a.next_token) == (b.path, b.next_token) and a.path
+    assert torch.allclose(out[0][2], out[1][2], atol=1e-4)   # the accepted path's K/V moved into place alike
+    (_, a, _), (_, b, _) = out
+    assert (a.path, a.next_token) == (b.path, b.next_token) and a.path[0] == 2
     assert np.allclose(a.margins, b.margins, atol=1e-4)
 
 

@@ -91,3 +91,33 @@ def test_accept_kernel_equals_torch(T, agree):
     for d in range(1, k + 1):                               # a root path whose every node matches
         assert parents[0, path[d]] == path[d - 1] and tokens[0, path[d]] == choice[0, path[d - 1]]
     assert not any(parents[0, c] == path[k] and tokens[0, c] == choice[0, path[k]] for c in range(1, T))
+
+
+@pytest.mark.parametrize("T", [1, 8, 64])
+def test_move_rows_kernel_equals_torch(T):
+    """The compaction copy as one launch (move_rows) leaves the cache exactly as index_select +
+    index_copy_ (move_rows_torch) for accept's src/dst: partly accepted trees whose paths skip nodes
+    (sources and destinations overlap), a prefill chain, a root alone and a padding row."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    _, parents, ctx, tables, sizes, bs = random_step(T, 300 + T)
+    if T > 2:   # row 0: root -> 1 | 2 -> 3 -> 4 ...; the path 0, 2, 3, ... moves each node one slot back
+        parents[0, 3:] = torch.arange(2, T - 1)
+        parents[0, 1:3] = 0
+    rng = np.random.default_rng(T + 1)
+    B = parents.shape[0]
+    tokens = torch.from_numpy(rng.integers(0, 50, (B, T)))
+    choice = torch.from_numpy(rng.integers(0, 50, (B, T)))
+    for i in range(1, T):   # accept the last child of each node: the path skips its siblings
+        choice[0, parents[0, i]] = tokens[0, i]
+    bits, depth, _ = tree_ops.prepare_torch(parents, ctx, tables, bs)
+    _, src, dst = tree_ops.accept_torch(tokens, parents, choice, torch.zeros(B, T), bits, depth, sizes,
+                                        torch.tensor([0, 1, 0, 0]), torch.tensor([1, 0, 1, 0]), ctx, tables, bs)
+    moved = src != dst
+    assert T == 1 or moved.any()
+    if T > 2:   # a slot read by one move and written by another: reads must come first
+        assert set(src[moved].tolist()) & set(dst[moved].tolist())
+    flat = torch.randn(3, 2, int(tables.max() + 1) * bs, 2, 32)
+    want = flat.clone()
+    tree_ops.move_rows_torch(want, src, dst)
+    tree_ops.move_rows(flat, src, dst, T)
+    assert torch.equal(flat, want)

@@ -9,7 +9,8 @@ Sections (each prints a table; everything goes to --out as JSON):
 1. ceilings: device-to-device copy bandwidth and a bf16 matrix product, measured here;
 2. checks: the Triton kernel against the torch reference (bf16, relative error) and the engine's
    device decisions with CUDA graphs against accept_greedy on eager logits (tiny float32 model);
-   compaction between graph steps; fused.GEMV_ROPE against the separate RoPE launch (--checks);
+   compaction between graph steps; fused.GEMV_ROPE against the separate RoPE launch, tree_ops.move_rows
+   against index_copy_ (--checks);
 3. attention: tree of 64 nodes, 64 query / 8 KV heads, d 128, bf16, paged (block 16): the Triton
    kernel, the torch reference (gather + masked SDPA), and SDPA with no mask over contiguous K/V
    (flash, cuDNN: less work than a tree kernel must do), against the roofline floor. Kernels are
@@ -67,18 +68,18 @@ def log(*args) -> None:
 def attention_knobs(**values: int) -> Iterator[None]:
     """Knobs set for the body, then put back as they were: TritonPagedAttention's class knobs
     (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, TARGET_PROGRAMS, MIN_SPLIT_KEYS, TREE_SPLIT, ...), or
-    else fused.py's module knobs of the same form (GEMV_ROPE, GEMV_PROGRAMS_PER_SM)."""
+    else fused.py's or tree_ops.py's module knobs of the same form (GEMV_ROPE, MOVE_ROWS_KERNEL, ...)."""
     if not values:
         yield
         return
-    from edgespec.verifier.torch import fused
+    from edgespec.verifier.torch import fused, tree_ops
     from edgespec.verifier.torch.triton_attention import TritonPagedAttention
 
     owners = {}
     for k in values:
-        owner = next((o for o in (TritonPagedAttention, fused) if hasattr(o, k)), None)
+        owner = next((o for o in (TritonPagedAttention, fused, tree_ops) if hasattr(o, k)), None)
         if owner is None:
-            raise ValueError(f"no knob {k} in TritonPagedAttention or fused")
+            raise ValueError(f"no knob {k} in TritonPagedAttention, fused or tree_ops")
         owners[k] = owner
     before = {k: getattr(owners[k], k) for k in values}
     for k, v in values.items():
@@ -230,6 +231,7 @@ def check_gemv_rope(context: int = 300) -> dict:
     try:
         for on in (0, 1):
             fused.GEMV_ROPE = on
+            used = fused.gemv_rope_fits(1, model.layers[0].wqkv.weight, model.config.head_dim)
             engine = Engine(model, num_blocks=-(-context // 16) + 8, block_size=16, cuda_graphs=False)
             seq = engine.new_sequence()
             engine.prefill(seq, prefix)
@@ -238,9 +240,32 @@ def check_gemv_rope(context: int = 300) -> dict:
     finally:
         fused.GEMV_ROPE = before
     (l0, c0), (l1, c1) = out
-    return {"used": fused.gemv_rope_fits(1, model.layers[0].wqkv.weight, model.config.head_dim) or "no table fit",
+    return {"used": used or "no table fit",
             "max_logit_diff": float((l0 - l1).abs().max()), "same_argmax": bool(l0.argmax() == l1.argmax()),
             "max_cache_diff": float((c0 - c1).abs().max())}
+
+
+def check_move_rows() -> dict:
+    """tree_ops.move_rows (MOVE_ROWS_KERNEL) against move_rows_torch on the GPU: 8 trees of 64 nodes whose
+    accepted paths skip nodes, bf16 cache of the Qwen2.5-1.5B shape (the barrier between its loads and
+    stores is what the interpreter cannot show)."""
+    from edgespec.verifier.torch import tree_ops
+
+    rng = np.random.default_rng(5)
+    B, T, bs, NB = 8, 64, 16, 72
+    tables = torch.from_numpy(rng.permutation(np.arange(1, B * NB + 1)).reshape(B, NB)).cuda()
+    ctx = torch.from_numpy(rng.integers(100, 1000, B)).cuda()
+    path = torch.zeros(B, T, dtype=torch.int64)
+    k = torch.from_numpy(rng.integers(1, 40, (B, 1)))
+    for b in range(B):
+        nodes = np.sort(rng.choice(np.arange(1, T), size=int(k[b]), replace=False))
+        path[b, 1:1 + len(nodes)] = torch.from_numpy(nodes)
+    src, dst = tree_ops.compaction_slots(tables, ctx, path.cuda(), k.cuda(), torch.ones(B, dtype=torch.bool).cuda(), bs)
+    flat = torch.randn(28, 2, (B * NB + 1) * bs, 2, 128, device="cuda", dtype=torch.bfloat16)
+    want = flat.clone()
+    tree_ops.move_rows_torch(want, src, dst)
+    tree_ops.move_rows(flat, src, dst, T)
+    return {"moved_rows": int((src != dst).sum()), "equal": bool(torch.equal(flat, want))}
 
 
 def check_compaction() -> dict:
@@ -913,7 +938,7 @@ def main() -> int:
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--skip", default="",
                    help="comma-separated sections to skip: ceilings,checks,attention,matmuls,step,mixed,hf,capacity")
-    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope",
+    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope,move_rows",
                    help="which checks the checks section runs")
     p.add_argument("--small-rows-matmul", default="",
                    help="step cells with these Engine small_rows_matmul values, comma-separated: off (0), on (64) "
@@ -975,7 +1000,8 @@ def main() -> int:
                 result["engine_checks"].append({"attention": a, "error": f"{type(exc).__name__}: {exc}"[:600]})
         log("[check] engine with CUDA graphs vs accept_greedy on eager logits:", json.dumps(result["engine_checks"]))
     for name, check, what in (("compaction", check_compaction, "compaction between graph steps vs none"),
-                              ("gemv_rope", check_gemv_rope, "RoPE in the one-row wqkv GEMV vs its own launch")):
+                              ("gemv_rope", check_gemv_rope, "RoPE in the one-row wqkv GEMV vs its own launch"),
+                              ("move_rows", check_move_rows, "the compaction copy kernel vs index_copy_")):
         if cuda and "checks" not in skip and name in checks:
             try:
                 result[f"{name}_check"] = check()

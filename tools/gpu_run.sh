@@ -5,7 +5,8 @@
 #
 #   tools/gpu_run.sh experiments   # random weights: the tree's keys in a split of their own (TREE_SPLIT)
 #                                  #   against the default, in steps and on the BASELINES shapes; RoPE in
-#                                  #   the one-row wqkv GEMV (GEMV_ROPE), checked, then in the steps
+#                                  #   the one-row wqkv GEMV (GEMV_ROPE) and the compaction copy as one kernel
+#                                  #   (MOVE_ROWS_KERNEL), each checked, then timed in the steps
 #   tools/gpu_run.sh verifier      # random weights: ceilings, checks, attention vs cuDNN, steps vs HF,
 #                                  #   prefill riding in verify steps, a kernel profile; gpt-fast beside it
 #   tools/gpu_run.sh real          # real weights: greedy equality, capacity with recorded drafts, GPU χ²
@@ -45,8 +46,8 @@ staged() {  # the GGUFs a phase reads must be complete: sha256 as in ~/.cache/ed
 
 case $phase in
   experiments)
-    python3 tools/bench_gpu_verify.py --skip hf,capacity,mixed,matmuls --checks gemv_rope --trees 1,16,64 \
-      --attention 'triton,triton!TREE_SPLIT=1,triton!GEMV_ROPE=1' --attention-configs '0x0w4s0,0x0w4s0!TREE_SPLIT=1,128x64w8s3,128x64w8s3!TREE_SPLIT=1' \
+    python3 tools/bench_gpu_verify.py --skip hf,capacity,mixed,matmuls --checks gemv_rope,move_rows --trees 1,16,64 \
+      --attention 'triton,triton!TREE_SPLIT=1,triton!GEMV_ROPE=1,triton!MOVE_ROWS_KERNEL=1' --attention-configs '0x0w4s0,0x0w4s0!TREE_SPLIT=1,128x64w8s3,128x64w8s3!TREE_SPLIT=1' \
       "${ITERS[@]}" --out "$OUT/variants.json"
     ;;
   verifier)

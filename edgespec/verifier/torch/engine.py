@@ -521,14 +521,11 @@ class Engine:
             choice = torch.where(iv["greedy"].bool()[:, None], argmax, sampled)
         out, src, dst = accept(tokens, parents, choice, margin, bits, depth, iv["sizes"], iv["force"],
                                iv["compact"], ctx, tables, bs)
-        self._move_rows(src, dst)
+        if self.fused and tree_ops.MOVE_ROWS_KERNEL:
+            tree_ops.move_rows(self.cache.flat, src, dst, T)
+        else:
+            tree_ops.move_rows_torch(self.cache.flat, src, dst)
         return out, logits
-
-    def _move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy the K/V rows of every layer from slots src to slots dst (compaction of accepted
-        paths; a slot mapped onto itself is a no-op). Reads all sources before writing."""
-        flat = self.cache.flat
-        flat.index_copy_(2, dst, flat.index_select(2, src))
 
     def _decide_on_host(self, st: _Static, b: int, s: TreeStep, T: int, NB: int) -> Decision:
         """A tree under a host rule: read its logits rows, decide with common/acceptance.py, compact."""
@@ -542,7 +539,7 @@ class Engine:
         path[0, :len(nodes)] = torch.tensor(nodes)
         tables = torch.zeros(1, NB, dtype=torch.int64)
         tables[0, :len(s.seq.blocks)] = torch.tensor(s.seq.blocks)
-        self._move_rows(*tree_ops.compaction_slots(
+        tree_ops.move_rows_torch(self.cache.flat, *tree_ops.compaction_slots(
             tables.to(self.device), torch.tensor([s.seq.length], device=self.device), path,
             torch.tensor([[len(acc.path)]], device=self.device), torch.ones(1, dtype=torch.bool, device=self.device),
             self.cache.block_size))

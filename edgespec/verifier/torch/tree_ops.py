@@ -120,6 +120,12 @@ def accept_torch(tokens: torch.Tensor, parents: torch.Tensor, choice: torch.Tens
     return out, src, dst
 
 
+def move_rows_torch(flat: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy the K/V rows of every layer of flat [L, 2, S, Hkv, D] from slots src to slots dst (a step's
+    compaction: accept's src, dst); reads all sources before writing. A slot mapped onto itself is a no-op."""
+    flat.index_copy_(2, dst, flat.index_select(2, src))
+
+
 # -- Triton kernels ---------------------------------------------------------------------------------
 if triton is not None:
     @triton.jit
@@ -187,6 +193,26 @@ if triton is not None:
         tl.store(Dst + b * T + i, _slots(Tables, b, ctx + i, NB, BS), mask=real)
 
 
+    @triton.jit
+    def _move_rows_kernel(Flat, Src, Dst, plane_stride, T: tl.constexpr, TP: tl.constexpr, ROW: tl.constexpr,
+                          CHUNK: tl.constexpr):
+        """Program (sequence, layer and K or V, column chunk): every row of the sequence's step that
+        moves (src != dst) is loaded, then, after a barrier, stored: one sequence's sources and
+        destinations overlap (ctx + path[d] -> ctx + d), so no row is written before all are read."""
+        b = tl.program_id(0)
+        plane = tl.program_id(1).to(tl.int64)
+        col = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)
+        i = tl.arange(0, TP)
+        real = i < T
+        src = tl.load(Src + b * T + i, mask=real, other=0)
+        dst = tl.load(Dst + b * T + i, mask=real, other=0)
+        move = (real & (src != dst))[:, None]
+        base = Flat + plane * plane_stride
+        rows = tl.load(base + src[:, None] * ROW + col[None, :], mask=move)
+        tl.debug_barrier()
+        tl.store(base + dst[:, None] * ROW + col[None, :], rows, mask=move)
+
+
 def _tile(T: int) -> tuple[int, int]:
     """(TP, warps): the register tile covering T nodes (at least one 32-bit word)."""
     tp = max(32, triton.next_power_of_2(T))
@@ -226,3 +252,23 @@ def accept(tokens: torch.Tensor, parents: torch.Tensor, choice: torch.Tensor, ma
                          compact, ctx, tables, out, src, dst, tables.shape[1], T=T, TP=tp, W=bits.shape[2],
                          BS=block_size, num_warps=warps)
     return out, src, dst
+
+
+MOVE_ROWS_KERNEL = 0   # 1: the step's compaction copy is one Triton launch that moves only the rows that move
+                       # (move_rows), not an index_select + index_copy_ of all B*T rows. Not yet measured on a
+                       # GPU: off (`triton!MOVE_ROWS_KERNEL=1` in bench_gpu_verify)
+
+
+def move_rows(flat: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, T: int) -> None:
+    """move_rows_torch as one launch for a step of B trees of T nodes (src, dst [B * T], each sequence's
+    rows together, as accept writes them); trees above MAX_KERNEL_NODES: move_rows_torch."""
+    L, two, S, H, D = flat.shape
+    row = H * D
+    if T > MAX_KERNEL_NODES or not flat.is_contiguous():
+        return move_rows_torch(flat, src, dst)
+    chunk = min(64, triton.next_power_of_2(row))
+    if row % chunk:
+        return move_rows_torch(flat, src, dst)
+    tp = triton.next_power_of_2(T)
+    _move_rows_kernel[(src.shape[0] // T, L * two, row // chunk)](flat, src, dst, S * row, T=T, TP=tp, ROW=row,
+                                                                 CHUNK=chunk, num_warps=4)

@@ -6,9 +6,13 @@ logits inside a batch of tree rows, and a different batch shape changes them sli
 is explained when, at the position where the outputs first differ, the two tokens are a near-tie
 whose order flips with the batch shape. This tool recomputes that position's logits in the
 verifier's own llama.cpp context (1 thread) as a 1-row step (AR) and as row j of chains of 2 and 5
-rows (speculative steps), and prints both tokens' logits and their margin for each.
+rows (speculative steps), and prints both tokens' logits and their margin for each. With
+`--backend torch` the rows come from the torch verifier's own steps instead (TorchBackend on
+`--device`, e.g. the GPU verifier of tools/gpu_run.sh e2e: each shape a verify step, graph-replayed
+where the backend uses CUDA graphs, its logits read back as the step saw them).
 
     .venv/bin/python tools/explain_divergence.py RESULTS.json --mode chain4 --prompt 1 [--json out.json]
+    python tools/explain_divergence.py RESULTS.json --mode adaptive --prompt 2 --backend torch --device cuda
 
 RESULTS.json: bench_link.py --json output (its prompts are rebuilt from its meta: --humaneval and
 --spec counts as recorded in its command).
@@ -20,6 +24,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -32,49 +37,123 @@ from edgespec.runtime.llama import ContextConfig, LlamaModel, TreeContext  # noq
 SHAPES = [(0, 1), (0, 2), (1, 2), (0, 5), (1, 5), (2, 5), (3, 5), (4, 5)]   # (row of the deciding node, rows)
 
 
+Chain = tuple[list[int], list[int], int]   # (context before the chain, the chain's tokens, the row to read)
+
+
+def llama_rows(target: str, chains: list[Chain], device: str) -> Iterator[np.ndarray]:
+    """Each chain decoded as one tree in the llama.cpp verifier's context (1 thread): row j's logits."""
+    model = LlamaModel(target)
+    ctx = TreeContext(model, ContextConfig(n_ctx=4096, n_threads=1))
+    try:
+        for context, chain, j in chains:
+            ctx.sync(context)
+            logits, _ = ctx.decode_tree(chain, list(range(-1, len(chain) - 1)))
+            ctx.drop_branches()
+            yield logits[j]
+    finally:
+        ctx.close()
+        model.close()
+
+
+def torch_rows(target: str, chains: list[Chain], device: str) -> Iterator[np.ndarray]:
+    """Each chain as one verify step of the torch verifier (its root the last synced token): row j's
+    float32 logits as that step computed them (Engine.last_logits)."""
+    from edgespec.common.sampling import SamplingParams
+    from edgespec.common.tree import TokenTree
+    from edgespec.verifier.torch.backend import TorchBackend
+
+    backend = TorchBackend(target, device=device, warmup=False)   # a few shapes: graphs captured as they come
+    for context, chain, j in chains:
+        s = backend.open_session()
+        try:
+            s.sync(context + chain[:1])
+            s.verify(TokenTree(tokens=np.array(chain), parents=np.arange(-1, len(chain) - 1)), SamplingParams(), 0)
+            yield backend.engine.last_logits()[0, j].float().cpu().numpy()
+        finally:
+            s.close()
+
+
+def divergences(res: dict, modes: list[str] | None, prompt: int | None, rtt: float | None) -> list[tuple]:
+    """(rtt, mode, prompt index, first differing position) where a mode's output left AR's of the same RTT."""
+    cells = {(c["rtt_ms"], c["mode"]): c for c in res["cells"]}
+    out = []
+    for (r, mode), cell in cells.items():
+        if mode == "ar" or (modes and mode not in modes) or (rtt is not None and r != rtt) or (r, "ar") not in cells:
+            continue
+        for i, (ar, other) in enumerate(zip(cells[(r, "ar")]["outputs"], cell["outputs"])):
+            k = next((j for j, (a, b) in enumerate(zip(ar, other)) if a != b), None)
+            if k is not None and (prompt is None or i == prompt):
+                out.append((r, mode, i, k, ar, other))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", type=Path)
-    ap.add_argument("--mode", required=True)
-    ap.add_argument("--prompt", type=int, required=True, help="index of the prompt in the run")
+    ap.add_argument("--mode", help="the mode to explain (default: every mode but ar)")
+    ap.add_argument("--prompt", type=int, help="index of the prompt in the run (default: every prompt)")
+    ap.add_argument("--rtt", type=float, help="the cells of this RTT (default: the run's first; --all: every RTT)")
+    ap.add_argument("--all", action="store_true", help="every divergence of every RTT, mode and prompt")
     ap.add_argument("--target", help="target GGUF (default: the manifest's target)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--backend", choices=("llama", "torch"), default="llama",
+                    help="whose numerics: the llama.cpp verifier's (default) or the torch verifier's")
+    ap.add_argument("--device", default="cuda", help="with --backend torch")
     args = ap.parse_args()
     res = json.loads(args.results.read_text())
     command = res["meta"]["command"]
     count = {k: int(m.group(1)) if (m := re.search(rf"--{k} (\d+)", command)) else 2 for k in ("humaneval", "spec")}
     named = prompt_set(Path(__file__).resolve().parent / "data" / "spec_bench_questions.jsonl",
                        count["humaneval"], count["spec"])
-    cells = {(c["rtt_ms"], c["mode"]): c for c in res["cells"]}
-    rtt = res["meta"]["rtts_ms"][0]
-    ar, other = cells[(rtt, "ar")]["outputs"][args.prompt], cells[(rtt, args.mode)]["outputs"][args.prompt]
-    k = next((i for i, (a, b) in enumerate(zip(ar, other)) if a != b), None)
-    if k is None:
+    rtt = None if args.all else (args.rtt if args.rtt is not None else res["meta"]["rtts_ms"][0])
+    found = divergences(res, [args.mode] if args.mode else None, args.prompt, rtt)
+    if not found:
         print("no divergence")
+        if args.json:
+            args.json.write_text(json.dumps([], indent=1))
         return 0
-    model = LlamaModel(args.target or modelstore.model_path(modelstore.load_manifest().defaults["target"]))
-    name, text = named[args.prompt]
-    prompt = model.chat_tokens([{"role": "user", "content": text}] if isinstance(text, str) else text)
-    ctx = TreeContext(model, ContextConfig(n_ctx=4096, n_threads=1))
-    out = {"prompt": name, "position": k, "ar_token": ar[k], "mode_token": other[k],
-           "ar_text": model.detokenize([ar[k]]), "mode_text": model.detokenize([other[k]]), "rows": []}
-    print(f"{name}: {args.mode} differs from AR at token {k}: AR {out['ar_text']!r}, {args.mode} {out['mode_text']!r}")
-    for j, rows in SHAPES:
-        start = k - 1 - j                    # the deciding node (the context up to ar[k-1]) is row j
-        ctx.sync(prompt + ar[:start])
-        logits, _ = ctx.decode_tree(ar[start:start + rows], list(range(-1, rows - 1)))
-        ctx.drop_branches()
-        row = logits[j].astype(np.float64)
-        top2 = np.sort(row)[-2:]
-        r = {"rows": rows, "row": j, "argmax": int(row.argmax()), "logit_ar": round(float(row[ar[k]]), 4),
-             "logit_mode": round(float(row[other[k]]), 4), "ar_minus_mode": round(float(row[ar[k]] - row[other[k]]), 4),
-             "top2_gap": round(float(top2[1] - top2[0]), 4)}
-        out["rows"].append(r)
-        print(r, flush=True)
-    ctx.close()
+    target = args.target or modelstore.model_path(modelstore.load_manifest().defaults["target"])
+    model = LlamaModel(target, vocab_only=args.backend == "torch")   # torch: the tokenizer only
+    reports, chains, shapes_of = [], [], []
+    for r, mode, i, k, ar, other in found:
+        name, text = named[i]
+        prompt = model.chat_tokens([{"role": "user", "content": text}] if isinstance(text, str) else text)
+        out = {"rtt_ms": r, "mode": mode, "prompt": name, "position": k, "ar_token": ar[k], "mode_token": other[k],
+               "backend": args.backend, "ar_text": model.detokenize([ar[k]]),
+               "mode_text": model.detokenize([other[k]]), "rows": []}
+        shapes = [(j, rows) for j, rows in SHAPES if k - 1 - j >= 0]   # the deciding node (context to ar[k-1]) is row j
+        chains += [(prompt + ar[:k - 1 - j], ar[k - 1 - j:k - 1 - j + rows], j) for j, rows in shapes]
+        reports.append(out)
+        shapes_of.append(shapes)
     model.close()
+    rows_of = torch_rows if args.backend == "torch" else llama_rows
+    computed = rows_of(target, chains, args.device)
+    for out, shapes, (r, mode, i, k, ar, other) in zip(reports, shapes_of, found):
+        print(f"{out['prompt']} at {r:g} ms: {mode} differs from AR at token {k}: AR {out['ar_text']!r}, "
+              f"{mode} {out['mode_text']!r}")
+        for (j, rows), row in zip(shapes, computed):
+            row = row.astype(np.float64)
+            top2 = np.sort(row)[-2:]
+            cell = {"rows": rows, "row": j, "argmax": int(row.argmax()), "logit_ar": round(float(row[ar[k]]), 4),
+                    "logit_mode": round(float(row[other[k]]), 4),
+                    "ar_minus_mode": round(float(row[ar[k]] - row[other[k]]), 4),
+                    "top2_gap": round(float(top2[1] - top2[0]), 4)}
+            out["rows"].append(cell)
+            print(cell, flush=True)
+        # explained by numerics: the two tokens are the top two in every shape, and their gap is no larger
+        # than how far one logit moves between shapes here (the measured spread), e.g. the order flips
+        rows_ = out["rows"]
+        gaps = [abs(c["ar_minus_mode"]) for c in rows_]
+        spread = max((max(c[key] for c in rows_) - min(c[key] for c in rows_) for key in ("logit_ar", "logit_mode")),
+                     default=0.0)
+        out["top_two_everywhere"] = all(c["argmax"] in (out["ar_token"], out["mode_token"])
+                                        and abs(c["top2_gap"] - abs(c["ar_minus_mode"])) < 1e-9 for c in rows_)
+        out["order_flips"] = len({c["ar_minus_mode"] > 0 for c in rows_}) > 1
+        out["logit_spread"] = round(spread, 4)
+        out["explained"] = bool(rows_) and out["top_two_everywhere"] and (out["order_flips"] or max(gaps) <= spread)
+        print({k: out[k] for k in ("top_two_everywhere", "order_flips", "logit_spread", "explained")}, flush=True)
     if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
+        args.json.write_text(json.dumps(reports if len(reports) > 1 or args.all else reports[0], indent=1))
     return 0
 
 

@@ -11,7 +11,8 @@
 #                                  #   prefill riding in verify steps, a kernel profile; gpt-fast beside it
 #   tools/gpu_run.sh real          # real weights: greedy equality, capacity with recorded drafts, GPU χ²
 #   tools/gpu_run.sh e2e           # real weights: the edge (0.5B draft on the host CPU) against the GPU
-#                                  #   verifier through the relay at RTT 0/20/50/100 ms
+#                                  #   verifier through the relay at RTT 0/20/50/100 ms; each greedy
+#                                  #   divergence from AR recomputed in the GPU verifier's own steps
 #
 # Results go to $OUT (JSON, one file per tool). Before `real`, stage the target GGUF under $STAGE, before `e2e` the draft too
 # (../shared/gpu/stage.sh) and carry the wheels the GPU image lacks in .whl (llama-cpp-python,
@@ -69,6 +70,9 @@ case $phase in
     python3 tools/bench_link.py --local-link --rtts 0,20,50,100 --humaneval 2 --spec 1 --max-tokens 64 \
       --warmup-tokens 24 --budget-min 7 --modes ar,chain4,adaptive --draft "$DRAFT" --target "$TARGET" \
       --draft-threads 8 --verifier-args="--backend torch --device cuda" --plot "$OUT/e2e.png" --json "$OUT/e2e.json"
+    # every greedy divergence from AR, recomputed in the GPU verifier's own steps (1-row and tree rows)
+    python3 tools/explain_divergence.py "$OUT/e2e.json" --all --backend torch --device cuda --target "$TARGET" \
+      --json "$OUT/e2e_divergences.json"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

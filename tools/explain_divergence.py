@@ -12,6 +12,7 @@ rows (speculative steps), and prints both tokens' logits and their margin for ea
 where the backend uses CUDA graphs, its logits read back as the step saw them).
 
     .venv/bin/python tools/explain_divergence.py RESULTS.json --mode chain4 --prompt 1 [--json out.json]
+    .venv/bin/python tools/explain_divergence.py RESULTS.json --all --json out.json   # every divergence
     python tools/explain_divergence.py RESULTS.json --mode adaptive --prompt 2 --backend torch --device cuda
 
 RESULTS.json: bench_link.py --json output (its prompts are rebuilt from its meta: --humaneval and
@@ -153,7 +154,7 @@ def main() -> int:
         out["explained"] = bool(rows_) and out["top_two_everywhere"] and (out["order_flips"] or max(gaps) <= spread)
         print({k: out[k] for k in ("top_two_everywhere", "order_flips", "logit_spread", "explained")}, flush=True)
     if args.json:
-        args.json.write_text(json.dumps(reports if len(reports) > 1 or args.all else reports[0], indent=1))
+        args.json.write_text(json.dumps(reports, indent=1))
     return 0
 
 

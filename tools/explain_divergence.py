@@ -3,8 +3,10 @@
 
 Greedy speculation on llama.cpp is lossless up to floating point: the verifier computes a node's
 logits inside a batch of tree rows, and a different batch shape changes them slightly. A divergence
-is explained when, at the position where the outputs first differ, the two tokens are a near-tie
-whose order flips with the batch shape. This tool recomputes that position's logits in the
+is explained when, at the position where the outputs first differ, the two tokens are a near-tie:
+the top two in every shape, their order flipping with the batch shape or their gap no larger than
+how far one logit moves between shapes (the verdict in each report). The context's K/V come from one
+prefill here, not from the run's own steps: a shape of its own again. This tool recomputes that position's logits in the
 verifier's own llama.cpp context (1 thread) as a 1-row step (AR) and as row j of chains of 2 and 5
 rows (speculative steps), and prints both tokens' logits and their margin for each. With
 `--backend torch` the rows come from the torch verifier's own steps instead (TorchBackend on

@@ -74,7 +74,9 @@ def open_abuser(srv: ServerProcess, fingerprint: str, token: str | None = TOKEN,
 
 def test_stream_hog_is_refused_per_client(server, info, witness):
     """Streams up to the per-client limit, then RESOURCE_EXHAUSTED; the hog idles on them while
-    the good client (another address) still opens streams and gets its exact answers."""
+    the good client (another address) still opens streams and gets its exact answers. Info tells a
+    client both limits before it hits them."""
+    assert (info.max_streams_per_client, info.client_rate) == (PER_CLIENT, RATE)
     held = []
     try:
         for _ in range(PER_CLIENT):

@@ -72,7 +72,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             max_streams=r.max_streams, open_streams=r.open_streams, live_sessions=r.live_sessions,
             evictions=r.stats.evictions + r.stats.idle_evictions, resyncs=r.stats.resyncs,
             verifies=r.stats.verifies, retained_slots=r.retained_slots, prefix_hits=r.stats.prefix_hits,
-            prefix_tokens_reused=r.stats.prefix_tokens_reused, grammar_constraints=i.grammar_constraints)
+            prefix_tokens_reused=r.stats.prefix_tokens_reused, grammar_constraints=i.grammar_constraints,
+            max_streams_per_client=r.max_streams_per_client, client_rate=r.client_rate)
 
     # -- Session ------------------------------------------------------------------------------
     def Session(self, request_iterator: Iterator[pb.EdgeMessage],

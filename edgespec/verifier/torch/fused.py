@@ -114,6 +114,21 @@ if triton is not None:
         tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def _rotate_and_store(x1, x2, c, s, head, d, row, slot, KC, VC, QO, v_offset, mask,
+                          H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr):
+        """The two halves (x1, x2; float32) of head `head` at offset d in the half (any broadcastable
+        shapes): RoPE on the q and k heads, v heads as they are; q to row `row` of QO [rows, H_Q, D], k
+        and v to cache slot `slot`. Shared by rope_store's kernel and the GEMV's RoPE epilogue."""
+        rotate = head < H_Q + H_KV
+        o1 = tl.where(rotate, x1 * c - x2 * s, x1).to(QO.dtype.element_ty)
+        o2 = tl.where(rotate, x2 * c + x1 * s, x2).to(QO.dtype.element_ty)
+        dst = tl.where(head < H_Q, QO + (row * H_Q + head) * D,
+                       tl.where(head < H_Q + H_KV, KC + (slot * H_KV + head - H_Q) * D,
+                                VC + v_offset + (slot * H_KV + head - H_Q - H_KV) * D)) + d
+        tl.store(dst, o1, mask=mask)
+        tl.store(dst + D // 2, o2, mask=mask)
+
+    @triton.jit
     def _rope_store_kernel(QKV, Cos, Sin, Slots, KC, VC, QO, v_offset,
                            H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr):
         """One program per token row and HEADS of its heads at once ([HEADS, D/2] tiles): RoPE on the
@@ -129,16 +144,8 @@ if triton is not None:
         x2 = tl.load(src + D // 2, mask=ok, other=0.0).to(tl.float32)
         c = tl.load(Cos + row * (D // 2) + half)[None, :]
         s = tl.load(Sin + row * (D // 2) + half)[None, :]
-        rotate = (head < H_Q + H_KV)[:, None]   # v heads are copied as they are
-        o1 = tl.where(rotate, x1 * c - x2 * s, x1).to(QO.dtype.element_ty)
-        o2 = tl.where(rotate, x2 * c + x1 * s, x2).to(QO.dtype.element_ty)
-        slot = tl.load(Slots + row)
-        q_dst = QO + (row * H_Q + head) * D
-        k_dst = KC + (slot * H_KV + head - H_Q) * D
-        v_dst = VC + v_offset + (slot * H_KV + head - H_Q - H_KV) * D
-        dst = tl.where(head < H_Q, q_dst, tl.where(head < H_Q + H_KV, k_dst, v_dst))[:, None] + half[None, :]
-        tl.store(dst, o1, mask=ok)
-        tl.store(dst + D // 2, o2, mask=ok)
+        _rotate_and_store(x1, x2, c, s, head[:, None], half[None, :], row, tl.load(Slots + row), KC, VC, QO,
+                          v_offset, ok, H_Q, H_KV, D)
 
     @triton.jit
     def _silu_times(gate, up):
@@ -239,8 +246,8 @@ if triton is not None:
     def _rope_store_pairs(out, n, ok, Cos, Sin, Slots, KC, VC, QO, v_offset, H_Q: tl.constexpr,
                           H_KV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
         """_gemv_kernel's epilogue with ROPE_D: the one row's q/k/v outputs `out` (columns n, pairs of
-        halves side by side, _gemv_tile) rounded as the matmul writes them, q and k rotated, q to QO and
-        k, v to their cache slot: what rope_store does with them, without the launch."""
+        halves side by side, _gemv_tile) rounded as the matmul writes them, then what rope_store's kernel
+        does with them (_rotate_and_store), without its launch."""
         x1, x2 = tl.split(tl.reshape(out.to(QO.dtype.element_ty).to(tl.float32), [BLOCK_N // 2, 2]))
         n1, _ = tl.split(tl.reshape(n, [BLOCK_N // 2, 2]))
         ok1, _ = tl.split(tl.reshape(ok.to(tl.int32), [BLOCK_N // 2, 2]))
@@ -248,15 +255,7 @@ if triton is not None:
         d = n1 % D
         c = tl.load(Cos + d, mask=ok1 != 0, other=0.0)
         s = tl.load(Sin + d, mask=ok1 != 0, other=0.0)
-        rotate = head < H_Q + H_KV   # v heads are stored as they are
-        o1 = tl.where(rotate, x1 * c - x2 * s, x1).to(QO.dtype.element_ty)
-        o2 = tl.where(rotate, x2 * c + x1 * s, x2).to(QO.dtype.element_ty)
-        slot = tl.load(Slots)
-        dst = tl.where(head < H_Q, QO + head * D,
-                       tl.where(head < H_Q + H_KV, KC + (slot * H_KV + head - H_Q) * D,
-                                VC + v_offset + (slot * H_KV + head - H_Q - H_KV) * D)) + d
-        tl.store(dst, o1, mask=ok1 != 0)
-        tl.store(dst + D // 2, o2, mask=ok1 != 0)
+        _rotate_and_store(x1, x2, c, s, head, d, 0, tl.load(Slots), KC, VC, QO, v_offset, ok1 != 0, H_Q, H_KV, D)
 
     @triton.jit
     def _gemv_kernel(X, W, Bias, O, N, K, k_split, units, Cos, Sin, Slots, KC, VC, v_offset,

@@ -43,7 +43,7 @@ class TokenTree:
     q_tokens: np.ndarray = field(default_factory=lambda: np.zeros((1, 0), np.int32))
     q_weights: np.ndarray = field(default_factory=lambda: np.zeros((1, 0), np.uint16))
     _checked: tuple | None = field(default=None, init=False, repr=False, compare=False)
-    _depths: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _depth_cache: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", _frozen(self.tokens, np.int32))
@@ -71,9 +71,9 @@ class TokenTree:
     @property
     def depths(self) -> np.ndarray:
         """Depth of each node (root 0), read-only; valid only after `validate` (parents precede children)."""
-        if self._depths is None:
+        if self._depth_cache is None:
             self._set_depths(_depths(self.parents.tolist()))
-        return self._depths
+        return self._depth_cache
 
     @property
     def max_depth(self) -> int:
@@ -83,7 +83,7 @@ class TokenTree:
     def _set_depths(self, depths: list[int]) -> None:
         arr = np.array(depths, np.int32)
         arr.flags.writeable = False
-        object.__setattr__(self, "_depths", arr)
+        object.__setattr__(self, "_depth_cache", arr)
 
     def children(self) -> list[list[int]]:
         """Children of every node, in draw order."""

@@ -8,8 +8,9 @@ function that does it; "host" is the whole verify_many minus the step function (
     .venv/bin/python tools/bench_verify_host.py --sessions 16 --tree 64 [--sampled] [--cprofile]
 
 Each tree is first checked as verifier/server.py checks a Verify in its request thread (reported
-apart: it is not on the batch thread). Times are CPU seconds of the calling thread (time.thread_time: steadier than wall time on a
-shared box; torch runs on one thread here), medians over --iters batches, in milliseconds.
+apart: it is not on the batch thread). Times are CPU seconds of the calling thread
+(time.thread_time: steadier than wall time on a shared box; torch runs on one thread here),
+medians over --iters batches, in milliseconds.
 Compare two versions of the code by running this once with each on PYTHONPATH (see
 docs/BENCHMARKS.md); results_sha (accepted paths and tokens) and kv_sha (the cache) must agree.
 """

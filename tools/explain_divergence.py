@@ -6,9 +6,10 @@ logits inside a batch of tree rows, and a different batch shape changes them sli
 is explained when, at the position where the outputs first differ, the two tokens are a near-tie:
 the top two in every shape, their order flipping with the batch shape or their gap no larger than
 how far one logit moves between shapes (the verdict in each report). The context's K/V come from one
-prefill here, not from the run's own steps: a shape of its own again. This tool recomputes that position's logits in the
-verifier's own llama.cpp context (1 thread) as a 1-row step (AR) and as row j of chains of 2 and 5
-rows (speculative steps), and prints both tokens' logits and their margin for each. With
+prefill here, not from the run's own steps: a shape of its own again. This tool recomputes that
+position's logits in the verifier's own llama.cpp context (1 thread) as a 1-row step (AR) and as
+row j of chains of 2 and 5 rows (speculative steps), and prints both tokens' logits and their
+margin for each. With
 `--backend torch` the rows come from the torch verifier's own steps instead (TorchBackend on
 `--device`, e.g. the GPU verifier of tools/gpu_run.sh e2e: each shape a verify step, graph-replayed
 where the backend uses CUDA graphs, its logits read back as the step saw them).
@@ -32,7 +33,7 @@ from typing import Iterator
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_link import prompt_set  # noqa: E402
+from bench_link import first_difference, prompt_set  # noqa: E402
 
 from edgespec.common import modelstore  # noqa: E402
 from edgespec.runtime.llama import ContextConfig, LlamaModel, TreeContext  # noqa: E402
@@ -84,8 +85,8 @@ def divergences(res: dict, modes: list[str] | None, prompt: int | None, rtt: flo
         if mode == "ar" or (modes and mode not in modes) or (rtt is not None and r != rtt) or (r, "ar") not in cells:
             continue
         for i, (ar, other) in enumerate(zip(cells[(r, "ar")]["outputs"], cell["outputs"])):
-            k = next((j for j, (a, b) in enumerate(zip(ar, other)) if a != b), None)
-            if k is not None and (prompt is None or i == prompt):
+            k = first_difference(ar, other)   # a length difference alone has no token to explain
+            if k is not None and k < min(len(ar), len(other)) and (prompt is None or i == prompt):
                 out.append((r, mode, i, k, ar, other))
     return out
 

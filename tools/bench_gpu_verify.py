@@ -10,7 +10,7 @@ Sections (each prints a table; everything goes to --out as JSON):
 2. checks: the Triton kernel against the torch reference (bf16, relative error) and the engine's
    device decisions with CUDA graphs against accept_greedy on eager logits (tiny float32 model);
    compaction between graph steps; fused.GEMV_ROPE against the separate RoPE launch, tree_ops.move_rows
-   against index_copy_ (--checks);
+   against index_copy_, the kernel with TREE_SPLIT=1 against float64 (--checks);
 3. attention: tree of 64 nodes, 64 query / 8 KV heads, d 128, bf16, paged (block 16): the Triton
    kernel, the torch reference (gather + masked SDPA), and SDPA with no mask over contiguous K/V
    (flash, cuDNN: less work than a tree kernel must do), against the roofline floor. Kernels are
@@ -46,7 +46,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -55,6 +55,7 @@ import torch  # noqa: E402
 
 from edgespec.common.acceptance import accept_greedy  # noqa: E402
 from edgespec.common.tree import TokenTree  # noqa: E402
+from edgespec.verifier.torch import knobs as kernel_knobs  # noqa: E402
 from edgespec.verifier.torch.engine import Engine, TreeStep, bucket  # noqa: E402
 from edgespec.verifier.torch.model import ModelConfig, TransformerLM  # noqa: E402
 from edgespec.verifier.torch.tree_attention import TorchPagedAttention, ancestor_mask  # noqa: E402
@@ -64,36 +65,16 @@ def log(*args) -> None:
     print(*args, flush=True)
 
 
-@contextlib.contextmanager
-def attention_knobs(**values: int) -> Iterator[None]:
-    """Knobs set for the body, then put back as they were: TritonPagedAttention's class knobs
-    (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, TARGET_PROGRAMS, MIN_SPLIT_KEYS, TREE_SPLIT, ...), or
-    else fused.py's or tree_ops.py's module knobs of the same form (GEMV_ROPE, MOVE_ROWS_KERNEL, ...)."""
-    if not values:
-        yield
-        return
-    from edgespec.verifier.torch import fused, tree_ops
-    from edgespec.verifier.torch.triton_attention import TritonPagedAttention
-
-    owners = {}
-    for k in values:
-        owner = next((o for o in (TritonPagedAttention, fused, tree_ops) if hasattr(o, k)), None)
-        if owner is None:
-            raise ValueError(f"no knob {k} in TritonPagedAttention, fused or tree_ops")
-        owners[k] = owner
-    before = {k: getattr(owners[k], k) for k in values}
-    for k, v in values.items():
-        setattr(owners[k], k, v)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            setattr(owners[k], k, v)
+def attention_knobs(**values: int) -> contextlib.AbstractContextManager:
+    """Kernel knobs set for the body, then put back (edgespec.verifier.torch.knobs.override): the
+    attention kernel's (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, TARGET_PROGRAMS, TREE_SPLIT, ...),
+    fused.py's (GEMV_ROPE, ...) or tree_ops.py's (MOVE_ROWS_KERNEL)."""
+    return kernel_knobs.override(values)
 
 
-def knob_values(spec: str) -> dict[str, str]:
+def knob_values(spec: str) -> dict[str, int]:
     """A variant's "KNOB=V:KNOB=V" suffix (after "!") as {knob: value}; "" -> {}."""
-    return dict(kv.split("=", 1) for kv in spec.split(":") if kv)
+    return kernel_knobs.parse(spec)
 
 
 def replayed_graph(engine: Engine, B: int, T: int):  # noqa: ANN201 - a torch.cuda.CUDAGraph
@@ -344,7 +325,7 @@ def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict,
             tile, _, rest = spec.partition("w")
             bm, bn = (int(v) for v in tile.split("x"))
             warps, stages = (int(v) for v in rest.split("s"))
-            knobs = {k: int(v) for k, v in knob_values(extra).items()}
+            knobs = knob_values(extra)
             try:
                 with attention_knobs(BLOCK_M=bm, BLOCK_N=bn, NUM_WARPS=warps, NUM_STAGES=stages, **knobs):
                     att = TritonPagedAttention(tables, ctx, anc, bs, Hq // Hkv)
@@ -551,9 +532,9 @@ def bench_steps(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dic
             knobs["TARGET_PROGRAMS"], knobs["MIN_SPLIT_KEYS"] = (int(v) for v in policy.split(":"))
         if tiles:
             knobs["BLOCK_M"], knobs["BLOCK_N"] = (int(v) for v in tiles.split("x"))
-        knobs.update(knob_values(extra))
-        blas = knobs.pop("BLAS", "default")     # !BLAS=cublaslt: torch's preferred BLAS library for the variant
-        knobs = {k: int(v) for k, v in knobs.items()}
+        settings = dict(kv.split("=", 1) for kv in extra.split(":") if kv)
+        blas = settings.pop("BLAS", "default")     # !BLAS=cublaslt: torch's preferred BLAS library for the variant
+        knobs.update(knob_values(":".join(f"{k}={v}" for k, v in settings.items())))
         engine = Engine(model, num_blocks=max(batches) * per_seq + 8, block_size=16, attention=attention,
                         cuda_graphs=device.type == "cuda" and not args.no_graph,
                         fused=False if unfused == "unfused" else None, small_rows_matmul=small)
@@ -938,7 +919,7 @@ def main() -> int:
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--skip", default="",
                    help="comma-separated sections to skip: ceilings,checks,attention,matmuls,step,mixed,hf,capacity")
-    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope,move_rows",
+    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope,move_rows,tree_split",
                    help="which checks the checks section runs")
     p.add_argument("--small-rows-matmul", default="",
                    help="step cells with these Engine small_rows_matmul values, comma-separated: off (0), on (64) "
@@ -977,7 +958,7 @@ def main() -> int:
     result: dict = {"meta": {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-        "cuda": torch.version.cuda, "argv": sys.argv[1:]}}
+        "cuda": torch.version.cuda, "argv": sys.argv[1:], "kernel_knobs_from_env": kernel_knobs.FROM_ENV}}
     try:
         import triton
         result["meta"]["triton"] = triton.__version__
@@ -991,6 +972,10 @@ def main() -> int:
     if cuda and "checks" not in skip and "kernel" in checks:
         result["kernel_check_rel_err"] = check_kernel()
         log("[check] triton kernel vs float64 reference, relative error:", json.dumps(result["kernel_check_rel_err"]))
+    if cuda and "checks" not in skip and "tree_split" in checks:   # the kernel with the tree's keys in a split of their own
+        with attention_knobs(TREE_SPLIT=1):
+            result["tree_split_check_rel_err"] = check_kernel()
+        log("[check] TREE_SPLIT=1 kernel vs float64 reference:", json.dumps(result["tree_split_check_rel_err"]))
     if cuda and "checks" not in skip and "engine" in checks:
         result["engine_checks"] = []
         for a in ("triton", "torch"):

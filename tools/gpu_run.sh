@@ -5,8 +5,10 @@
 #
 #   tools/gpu_run.sh experiments   # random weights: the tree's keys in a split of their own (TREE_SPLIT)
 #                                  #   against the default, in steps and on the BASELINES shapes; RoPE in
-#                                  #   the one-row wqkv GEMV (GEMV_ROPE) and the compaction copy as one kernel
-#                                  #   (MOVE_ROWS_KERNEL), each checked, then timed in the steps
+#                                  #   the one-row wqkv GEMV (GEMV_ROPE), the compaction copy as one kernel
+#                                  #   (MOVE_ROWS_KERNEL), fewer key splits (TARGET_PROGRAMS), each checked,
+#                                  #   then timed in the steps; the winners (tools/pick_knobs.py) are what
+#                                  #   the later phases run with
 #   tools/gpu_run.sh verifier      # random weights: ceilings, checks, attention vs cuDNN, steps vs HF,
 #                                  #   prefill riding in verify steps, a kernel profile; gpt-fast beside it
 #   tools/gpu_run.sh real          # real weights: greedy equality, capacity with recorded drafts, GPU χ²
@@ -29,6 +31,12 @@ TARGET=$STAGE/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 DRAFT=$STAGE/qwen2.5-coder-0.5b-instruct.gguf
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:. EDGESPEC_CODE_REV=${CODE_REV:-}
 ITERS=(--iters 30 --warmup 5)
+# Kernel knobs (edgespec.verifier.torch.knobs) for every phase after `experiments`: the winners it wrote
+# to $KNOBS_FILE on this machine, unless EDGESPEC_KERNEL_KNOBS is given (empty: the code's defaults)
+KNOBS_FILE=/tmp/knobs.env
+if [ -z "${EDGESPEC_KERNEL_KNOBS+set}" ] && [ -e "$KNOBS_FILE" ]; then source "$KNOBS_FILE"; fi
+export EDGESPEC_KERNEL_KNOBS=${EDGESPEC_KERNEL_KNOBS:-}
+echo "EDGESPEC_KERNEL_KNOBS=$EDGESPEC_KERNEL_KNOBS" | tee "$OUT/knobs_$phase.txt"
 
 site() {  # the carried wheels, installed once per machine
   if [ ! -e /tmp/site/.done ]; then
@@ -46,15 +54,18 @@ staged() {  # the GGUFs a phase reads must be complete: sha256 as in ~/.cache/ed
 }
 
 case $phase in
-  experiments)
-    python3 tools/bench_gpu_verify.py --skip hf,capacity,mixed,matmuls --checks gemv_rope,move_rows --trees 1,16,64 \
-      --attention 'triton,triton!TREE_SPLIT=1,triton!GEMV_ROPE=1,triton!MOVE_ROWS_KERNEL=1' --attention-configs '0x0w4s0,0x0w4s0!TREE_SPLIT=1,128x64w8s3,128x64w8s3!TREE_SPLIT=1' \
-      "${ITERS[@]}" --out "$OUT/variants.json"
+  experiments)   # the defaults against each knob variant in one process; tools/pick_knobs.py names the winners
+    EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip hf,capacity,mixed,matmuls \
+      --checks gemv_rope,move_rows,tree_split --trees 1,16,64 \
+      --attention 'triton,triton!TREE_SPLIT=1,triton!GEMV_ROPE=1,triton!MOVE_ROWS_KERNEL=1,triton!TARGET_PROGRAMS=192' \
+      --attention-configs '0x0w4s0,0x0w4s0!TREE_SPLIT=1,128x64w8s3,128x64w8s3!TREE_SPLIT=1' \
+      "${ITERS[@]}" --out "$OUT/variants.json" \
+      && python3 tools/pick_knobs.py "$OUT/variants.json" --env "$OUT/knobs.env" && cp "$OUT/knobs.env" "$KNOBS_FILE"
     ;;
   verifier)
     site
     python3 tools/bench_gpu_verify.py --skip matmuls,capacity --trees 1,16,64 --attention triton \
-      --profile-cells 1x1,8x64 "${ITERS[@]}" --out "$OUT/verifier.json"
+      --profile-cells 1x1,1x64,8x64 "${ITERS[@]}" --out "$OUT/verifier.json"
     if [ -d .gptfast ]; then (cd .gptfast && OUT="$OUT" python3 step4.py); fi
     ;;
   real)

@@ -49,6 +49,7 @@ from edgespec.common.sampling import SamplingParams
 from edgespec.verifier.torch.kv_cache import Compaction, KVSequence, PagedKVCache
 from edgespec.verifier.torch.model import TransformerLM
 from edgespec.common.rng import residual_uniforms
+from edgespec.verifier.torch import knobs  # noqa: F401 - importing it applies $EDGESPEC_KERNEL_KNOBS, once
 from edgespec.verifier.torch import tree_ops
 from edgespec.verifier.torch.tree_attention import TorchPagedAttention, ancestor_mask, chain_parents, depths
 

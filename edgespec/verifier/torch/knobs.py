@@ -1,0 +1,94 @@
+"""Kernel knobs: the constants that choose between measured GPU kernel variants, set by name.
+
+The variants live next to their kernels as class or module constants (TritonPagedAttention.TREE_SPLIT,
+fused.GEMV_ROPE, tree_ops.MOVE_ROWS_KERNEL, tile sizes, split policy). Their defaults are what the
+H200 runs measured fastest (docs/BENCHMARKS.md). An operator whose GPU differs, and the benchmarks
+that A/B the variants, set them here by name instead of editing the code:
+
+    EDGESPEC_KERNEL_KNOBS="GEMV_ROPE=1,TREE_SPLIT=1" edgespec verifier serve --backend torch --device cuda
+
+The variable is read once, when the engine module is first imported (engine.py imports this module);
+in-process overrides (`override`) win. A name no kernel has is an error, not a silent no-op.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Mapping
+
+from edgespec.verifier.torch import fused, tree_ops
+
+ENV = "EDGESPEC_KERNEL_KNOBS"
+
+
+def _owners() -> tuple[object, ...]:
+    """The kernels' homes; the attention kernel's module needs triton, so it is imported only here."""
+    try:
+        from edgespec.verifier.torch.triton_attention import TritonPagedAttention
+    except ImportError:   # a CPU install without triton: only the torch fallbacks' knobs exist
+        return (fused, tree_ops)
+    return (TritonPagedAttention, fused, tree_ops)
+
+
+def _owner(name: str) -> object:
+    """Where knob `name` lives; a ValueError names the knob when none has it (a typo is not ignored)."""
+    if name.isupper():
+        for owner in _owners():
+            if isinstance(getattr(owner, name, None), int):
+                return owner
+    raise ValueError(f"no kernel knob {name!r} (knobs are integer constants of TritonPagedAttention, "
+                     "fused or tree_ops)")
+
+
+def parse(spec: str) -> dict[str, int]:
+    """'KNOB=V,KNOB=V' (':' separates too) as {knob: int value}; '' -> {}. Unknown knobs and
+    non-integer values are ValueErrors."""
+    values: dict[str, int] = {}
+    for item in spec.replace(":", ",").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"kernel knob {item!r} is not NAME=VALUE")
+        _owner(name.strip())
+        try:
+            values[name.strip()] = int(value)
+        except ValueError:
+            raise ValueError(f"kernel knob {name.strip()} needs an integer, got {value!r}") from None
+    return values
+
+
+def current(names: Iterable[str]) -> dict[str, int]:
+    """The values in effect now of the knobs `names` (benchmarks record them with their results)."""
+    return {k: int(getattr(_owner(k), k)) for k in names}
+
+
+def set_knobs(values: Mapping[str, int]) -> dict[str, int]:
+    """Set knobs; returns their previous values (so a caller can put them back)."""
+    owners = {k: _owner(k) for k in values}   # all checked before any is set
+    before = {k: getattr(owners[k], k) for k in values}
+    for k, v in values.items():
+        setattr(owners[k], k, int(v))
+    return before
+
+
+@contextmanager
+def override(values: Mapping[str, int]) -> Iterator[None]:
+    """Knobs set for the body, then put back as they were (benchmarks timing variants in one process)."""
+    before = set_knobs(values)
+    try:
+        yield
+    finally:
+        set_knobs(before)
+
+
+def apply_env(environ: Mapping[str, str] = os.environ) -> dict[str, int]:
+    """Set the knobs named in $EDGESPEC_KERNEL_KNOBS; returns what it set."""
+    values = parse(environ.get(ENV, ""))
+    set_knobs(values)
+    return values
+
+
+FROM_ENV = apply_env()

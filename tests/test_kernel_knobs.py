@@ -1,0 +1,54 @@
+"""Kernel knobs by name ($EDGESPEC_KERNEL_KNOBS, knobs.override): set where the kernels read them,
+put back after an override, and a bad name or value is a clear error (exit 2 from the CLI)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+from edgespec.verifier.torch import fused, knobs, tree_ops  # noqa: E402
+
+
+def test_parse_accepts_commas_and_colons_and_rejects_unknown_names_and_values():
+    assert knobs.parse("") == {}
+    assert knobs.parse("GEMV_ROPE=1, MOVE_ROWS_KERNEL=0:TREE_SPLIT=1") == {
+        "GEMV_ROPE": 1, "MOVE_ROWS_KERNEL": 0, "TREE_SPLIT": 1}
+    with pytest.raises(ValueError, match="no kernel knob 'GEMV_ROEP'"):
+        knobs.parse("GEMV_ROEP=1")
+    with pytest.raises(ValueError, match="needs an integer"):
+        knobs.parse("GEMV_ROPE=yes")
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        knobs.parse("GEMV_ROPE")
+    with pytest.raises(ValueError, match="no kernel knob"):
+        knobs.parse("triton=1")   # not a constant's name
+
+
+def test_override_sets_the_kernels_constants_and_puts_them_back():
+    before = (fused.GEMV_ROPE, tree_ops.MOVE_ROWS_KERNEL)
+    with knobs.override({"GEMV_ROPE": 1 - before[0], "MOVE_ROWS_KERNEL": 1 - before[1]}):
+        assert (fused.GEMV_ROPE, tree_ops.MOVE_ROWS_KERNEL) == (1 - before[0], 1 - before[1])
+        assert knobs.current(["GEMV_ROPE"]) == {"GEMV_ROPE": 1 - before[0]}
+    assert (fused.GEMV_ROPE, tree_ops.MOVE_ROWS_KERNEL) == before
+    with pytest.raises(ValueError):   # nothing is set when one name is bad
+        knobs.set_knobs({"GEMV_ROPE": 1, "NOPE": 1})
+    assert fused.GEMV_ROPE == before[0]
+
+
+def test_environment_variable_is_applied_when_the_engine_is_imported():
+    code = ("from edgespec.verifier.torch import engine, fused, tree_ops, knobs; "
+            "print(fused.GEMV_ROPE, tree_ops.MOVE_ROWS_KERNEL, sorted(knobs.FROM_ENV.items()))")
+    env = {**os.environ, knobs.ENV: "GEMV_ROPE=1,MOVE_ROWS_KERNEL=1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[0] == "1 1 [('GEMV_ROPE', 1), ('MOVE_ROWS_KERNEL', 1)]"
+
+
+def test_verifier_serve_exits_2_naming_a_bad_knob(smol_path):
+    env = {**os.environ, knobs.ENV: "GEMV_ROPE=x"}
+    r = subprocess.run([sys.executable, "-m", "edgespec", "verifier", "serve", "--backend", "torch", "--model",
+                        str(smol_path), "--port", "0"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "kernel knob GEMV_ROPE needs an integer, got 'x'" in r.stderr

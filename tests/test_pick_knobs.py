@@ -1,0 +1,47 @@
+"""tools/pick_knobs.py: the rule that turns one run's variant timings and checks into default knobs."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import json
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+sys.path.insert(0, str(TOOLS))
+
+from pick_knobs import pick  # noqa: E402
+
+
+def run_of(times: dict[str, tuple[float, float, float]], **checks) -> dict:
+    """Step cells 1x1, 1x64, 8x64 per variant with these replay times."""
+    cells = [(1, 1), (1, 64), (8, 64)]
+    return {"step": [{"attention": name, "batch": b, "tree": t, "replay_ms": ms}
+                     for name, row in times.items() for (b, t), ms in zip(cells, row)], **checks}
+
+
+def test_a_variant_wins_only_with_a_gain_no_loss_and_a_passed_check():
+    result = run_of({
+        "triton": (1.60, 2.20, 4.20),
+        "triton!GEMV_ROPE=1": (1.50, 2.21, 4.19),           # 6 % in one cell, flat elsewhere: wins
+        "triton!MOVE_ROWS_KERNEL=1": (1.60, 2.20, 4.10),    # 2.4 %, but its check failed
+        "triton!TREE_SPLIT=1": (1.40, 2.30, 4.00),          # 4.5 % slower at 1x64
+        "triton!TARGET_PROGRAMS=192": (1.59, 2.19, 4.18),   # < 1.5 %: noise
+    }, gemv_rope_check={"used": True, "same_argmax": True}, move_rows_check={"equal": False},
+        tree_split_check_rel_err={"a": 0.002})
+    winners, lines = pick(result)
+    assert winners == {"GEMV_ROPE": 1}
+    assert any("MOVE_ROWS_KERNEL" in line and "check failed" in line for line in lines)
+    assert sum("WIN" in line for line in lines) == 1
+
+
+def test_without_its_check_a_checked_knob_never_wins(tmp_path):
+    result = run_of({"triton": (1.6, 2.2, 4.2), "triton!GEMV_ROPE=1": (1.0, 1.0, 1.0)})
+    assert pick(result)[0] == {}
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps(run_of({"triton": (1.6, 2.2, 4.2), "triton!TARGET_PROGRAMS=192": (1.5, 2.2, 4.2)})))
+    env = tmp_path / "knobs.env"
+    out = subprocess.run([sys.executable, str(TOOLS / "pick_knobs.py"), str(path), "--env", str(env)],
+                         capture_output=True, text=True, check=True).stdout
+    assert "EDGESPEC_KERNEL_KNOBS=TARGET_PROGRAMS=192" in out
+    assert env.read_text() == "export EDGESPEC_KERNEL_KNOBS=TARGET_PROGRAMS=192\n"

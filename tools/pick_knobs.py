@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Which kernel-knob variants of one `bench_gpu_verify` run beat the default, by a stated rule.
+
+Input: the JSON of a run whose step section timed "triton" (the defaults) and variants
+"triton!KNOB=V[:KNOB=V]" on the same cells (tools/gpu_run.sh experiments). A variant wins when
+
+- its check passed, where one exists (GEMV_ROPE: same argmax as the separate RoPE launch;
+  MOVE_ROWS_KERNEL: the cache equal to index_copy_'s; TREE_SPLIT: relative error < 1e-2 against
+  float64, as the default kernel's check), and
+- its graph replay is at least MIN_GAIN faster than the default's in some cell and at most
+  MAX_LOSS slower in every cell (replay, not the host clock: the host adds noise the GPU does not).
+
+Prints one line per variant and writes the winners as `EDGESPEC_KERNEL_KNOBS=...` (an env file the
+later phases of gpu_run.sh source; edgespec.verifier.torch.knobs reads the variable). Two winners
+that set the same knob: the one with the larger best gain.
+
+    python tools/pick_knobs.py variants.json --env /tmp/knobs.env
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+MIN_GAIN = 0.015
+MAX_LOSS = 0.015
+
+
+def check_passed(result: dict, knob: str) -> tuple[bool, str]:
+    """(passed, why) for the check of `knob` in the run; knobs without a check pass."""
+    if knob == "GEMV_ROPE":
+        c = result.get("gemv_rope_check") or {}
+        return bool(c.get("same_argmax")) and c.get("used") is True, f"gemv_rope_check {c}"
+    if knob == "MOVE_ROWS_KERNEL":
+        c = result.get("move_rows_check") or {}
+        return bool(c.get("equal")), f"move_rows_check {c}"
+    if knob == "TREE_SPLIT":
+        c = result.get("tree_split_check_rel_err") or {}
+        ok = bool(c) and all(isinstance(v, float) and v < 1e-2 for v in c.values())
+        return ok, f"tree_split_check_rel_err {c}"
+    return True, "no check"
+
+
+def variant_knobs(name: str) -> dict[str, int]:
+    """'triton!A=1:B=2' -> {'A': 1, 'B': 2}."""
+    _, _, extra = name.partition("!")
+    return {k: int(v) for k, v in (kv.split("=", 1) for kv in extra.split(":") if kv)}
+
+
+def pick(result: dict, min_gain: float = MIN_GAIN, max_loss: float = MAX_LOSS) -> tuple[dict[str, int], list[str]]:
+    """(winning knobs, one report line per variant)."""
+    cells: dict[str, dict[tuple[int, int], float]] = {}
+    for row in result.get("step", []):
+        if "replay_ms" in row:
+            cells.setdefault(row["attention"], {})[(row["batch"], row["tree"])] = row["replay_ms"]
+    base = cells.get("triton")
+    if not base:
+        raise ValueError("the run has no 'triton' (default) step cells to compare against")
+    won: dict[str, tuple[float, dict[str, int]]] = {}
+    lines = []
+    for name, times in cells.items():
+        if name == "triton" or "!" not in name:
+            continue
+        knobs = variant_knobs(name)
+        gains = {c: 1 - times[c] / base[c] for c in base if c in times}
+        if len(gains) < len(base):
+            lines.append(f"{name}: lacks cells {sorted(set(base) - set(gains))}: not picked")
+            continue
+        best, worst = max(gains.values()), min(gains.values())
+        checks = [check_passed(result, k) for k in knobs]
+        ok = all(c[0] for c in checks)
+        wins = ok and best >= min_gain and worst >= -max_loss
+        cell_text = " ".join(f"{b}x{t} {100 * g:+.1f}%" for (b, t), g in sorted(gains.items()))
+        lines.append(f"{name}: {cell_text} -> {'WIN' if wins else 'no'}"
+                     + ("" if ok else f" (check failed: {'; '.join(c[1] for c in checks if not c[0])})"))
+        if wins:
+            for k, v in knobs.items():
+                if k not in won or won[k][0] < best:
+                    won[k] = (best, {k: v})
+    return {k: v for _, d in won.values() for k, v in d.items()}, lines
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("result", type=Path, help="bench_gpu_verify JSON with triton and triton!KNOB=V step cells")
+    p.add_argument("--env", type=Path, help="write EDGESPEC_KERNEL_KNOBS=<winners> here")
+    p.add_argument("--min-gain", type=float, default=MIN_GAIN)
+    p.add_argument("--max-loss", type=float, default=MAX_LOSS)
+    args = p.parse_args()
+    winners, lines = pick(json.loads(args.result.read_text()), args.min_gain, args.max_loss)
+    for line in lines:
+        print(line)
+    spec = ",".join(f"{k}={v}" for k, v in sorted(winners.items()))
+    print(f"EDGESPEC_KERNEL_KNOBS={spec}")
+    if args.env:
+        args.env.write_text(f"export EDGESPEC_KERNEL_KNOBS={spec}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

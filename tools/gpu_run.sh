@@ -65,7 +65,7 @@ case $phase in
   verifier)
     site
     python3 tools/bench_gpu_verify.py --skip matmuls,capacity --trees 1,16,64 --attention triton \
-      --profile-cells 1x1,1x64,8x64 "${ITERS[@]}" --out "$OUT/verifier.json"
+      --profile-cells 1x1,1x16,1x64,8x64 "${ITERS[@]}" --out "$OUT/verifier.json"
     if [ -d .gptfast ]; then (cd .gptfast && OUT="$OUT" python3 step4.py); fi
     ;;
   real)

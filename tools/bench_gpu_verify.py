@@ -381,13 +381,6 @@ MATMUL_CANDIDATES = {   # (BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages)
     "w13": [(32, 128, 1, 4, 4), (32, 128, 1, 4, 6), (32, 256, 1, 4, 6), (64, 128, 1, 4, 6)],
     "w2": [(64, 128, 7, 4, 4), (64, 128, 7, 4, 6), (64, 128, 14, 4, 5), (128, 128, 14, 8, 5), (64, 256, 7, 4, 5)],
 }
-PERSISTENT_CANDIDATES = {   # 2..PERSISTENT_ROWS rows: fused._gemv_kernel with tl.dot over the rows. Short K tiles:
-    # the next tile's loads (weights, and x for every row: gate and up for w2) are held in registers
-    "wqkv": [(16, 128, 1, 4, 3), (32, 64, 1, 4, 3), (16, 64, 1, 4, 3), (32, 128, 1, 8, 3)],
-    "wo": [(16, 128, 2, 4, 3), (16, 64, 2, 4, 3), (32, 64, 2, 4, 3), (16, 128, 1, 4, 3)],
-    "w13": [(32, 128, 1, 4, 3), (64, 64, 1, 4, 3), (32, 64, 1, 4, 3), (64, 128, 1, 8, 3)],
-    "w2": [(16, 128, 5, 4, 3), (32, 64, 5, 4, 3), (16, 64, 7, 4, 3), (32, 128, 5, 8, 3)],
-}
 GEMV_CANDIDATES = {   # one row only: fused._gemv_kernel (persistent, GEMV_PROGRAMS_PER_SM programs per SM)
     "wqkv": [(8, 512, 1, 8, 3), (8, 512, 1, 4, 3), (8, 256, 1, 4, 3)],
     "wo": [(8, 256, 2, 4, 3), (8, 512, 2, 4, 3), (8, 256, 1, 4, 3)],
@@ -448,13 +441,8 @@ def bench_matmuls(args, ceil: dict | None) -> dict:
             ref = F.linear(xin.float(), ws[0].float(), None if b is None else b.float())
             row["cublas_max_abs_err"] = float((F.linear(xin, ws[0], b).float() - ref).abs().max())
             if rows <= fused.LINEAR_ROWS_MAX:
-                if rows == 1:
-                    candidates = MATMUL_CANDIDATES[name] + GEMV_CANDIDATES[name]
-                elif rows <= fused.PERSISTENT_ROWS:
-                    candidates = PERSISTENT_CANDIDATES[name]
-                else:
-                    candidates = MATMUL_CANDIDATES[name]
-                cfgs = [None] + (candidates if args.matmul_sweep else [])
+                cfgs = [None] + (MATMUL_CANDIDATES[name] + (GEMV_CANDIDATES[name] if rows == 1 else [])
+                                 if args.matmul_sweep else [])
                 for cfg in cfgs:
                     try:
                         if name in ("wo", "w2"):

@@ -9,8 +9,6 @@
 #                                  #   (MOVE_ROWS_KERNEL), fewer key splits (TARGET_PROGRAMS), each checked,
 #                                  #   then timed in the steps; the winners (tools/pick_knobs.py) are what
 #                                  #   the later phases run with
-#   tools/gpu_run.sh rows          # random weights: the persistent matmul for 2..64 rows (PERSISTENT_ROWS),
-#                                  #   configs swept and picked, the steps against the defaults
 #   tools/gpu_run.sh verifier      # random weights: ceilings, checks, attention vs cuDNN, steps vs HF,
 #                                  #   prefill riding in verify steps, a kernel profile; gpt-fast beside it
 #   tools/gpu_run.sh real          # real weights: greedy equality, capacity with recorded drafts, GPU χ²
@@ -26,7 +24,7 @@
 # The host's copy of the checkout may carry a stale git HEAD: pass the commit as CODE_REV=<sha> (bench_link
 # records it).
 set -uo pipefail
-phase=${1:?usage: tools/gpu_run.sh experiments|rows|verifier|real|e2e}
+phase=${1:?usage: tools/gpu_run.sh experiments|verifier|real|e2e}
 OUT=$(mkdir -p "${OUT:-gpu_out}" && cd "${OUT:-gpu_out}" && pwd)
 STAGE=${STAGE:-/tmp/stage}
 TARGET=$STAGE/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
@@ -63,13 +61,6 @@ case $phase in
       --attention-configs '0x0w4s0,0x0w4s0!TREE_SPLIT=1,128x64w8s3,128x64w8s3!TREE_SPLIT=1' \
       "${ITERS[@]}" --out "$OUT/variants.json" \
       && python3 tools/pick_knobs.py "$OUT/variants.json" --env "$OUT/knobs.env" && cp "$OUT/knobs.env" "$KNOBS_FILE"
-    ;;
-  rows)   # PERSISTENT_ROWS: the persistent matmul for 2..64 rows, its configs swept and picked, then the step
-          # cells (linear_rows up to 64 rows) against the defaults, one process each
-    common=(--skip ceilings,checks,attention,hf,capacity,mixed --trees 1,16,64 --attention triton --matmul-rows 16,64)
-    EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py "${common[@]}" "${ITERS[@]}" --out "$OUT/rows_default.json"
-    EDGESPEC_KERNEL_KNOBS=PERSISTENT_ROWS=64 python3 tools/bench_gpu_verify.py "${common[@]}" --matmul-sweep \
-      --matmul-pick --small-rows-matmul 64 "${ITERS[@]}" --out "$OUT/rows_persistent.json"
     ;;
   verifier)
     site

@@ -211,14 +211,13 @@ if triton is not None:
             tl.store(O + r[None, :] * N + n[:, None], acc.to(O.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _gemv_tile(X, W, N, K, k_split, units, rows, x_stride, it, pid, progs, ITERS: tl.constexpr,
-                   K_TILES: tl.constexpr, SPLIT: tl.constexpr, SILU: tl.constexpr, EVEN: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROPE_D: tl.constexpr, ROWS_P: tl.constexpr):
+    def _gemv_tile(X, W, N, K, k_split, units, it, pid, progs, ITERS: tl.constexpr, K_TILES: tl.constexpr,
+                   SPLIT: tl.constexpr, SILU: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, ROPE_D: tl.constexpr):
         """Loads of _gemv_kernel's flat iteration `it`: the weight tile, the input slice (gate and up
-        with SILU; else x twice; [BLOCK_K] for one row, [BLOCK_K, ROWS_P] transposed for ROWS_P > 1),
-        and where the tile's sums go. ROPE_D > 0 (a head size): column j of a unit is output
-        d + (j % 2) * ROPE_D / 2 of its head, d = j // 2 within the head, so the two halves RoPE
-        rotates together come out of one program, side by side."""
+        with SILU; else x twice), and where the tile's sums go. ROPE_D > 0 (a head size): column j of a
+        unit is output d + (j % 2) * ROPE_D / 2 of its head, d = j // 2 within the head, so the two
+        halves RoPE rotates together come out of one program, side by side."""
         nn = tl.arange(0, BLOCK_N)
         kk = tl.arange(0, BLOCK_K)
         u = pid + (it // K_TILES) * progs
@@ -236,16 +235,9 @@ if triton is not None:
             n_ok = (n < N) & unit_ok
             k_ok = (k < K) & (kt * BLOCK_K + kk < k_split)
         w = tl.load(W + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if ROWS_P == 1:
-            x_ptr = X + k
-            x_ok = k_ok & unit_ok
-        else:
-            r = tl.arange(0, ROWS_P)
-            x_ptr = X + r[None, :] * x_stride + k[:, None]
-            x_ok = (k_ok & unit_ok)[:, None] & (r < rows)[None, :]
-        g = tl.load(x_ptr, mask=x_ok, other=0.0)
+        g = tl.load(X + k, mask=k_ok & unit_ok, other=0.0)
         if SILU:
-            up = tl.load(x_ptr + K, mask=x_ok, other=0.0)
+            up = tl.load(X + K + k, mask=k_ok & unit_ok, other=0.0)
         else:
             up = g
         return w, g, up, n, n_ok, part, kt
@@ -266,12 +258,11 @@ if triton is not None:
         _rotate_and_store(x1, x2, c, s, head, d, 0, tl.load(Slots), KC, VC, QO, v_offset, ok1 != 0, H_Q, H_KV, D)
 
     @triton.jit
-    def _gemv_kernel(X, W, Bias, O, N, K, k_split, units, rows, x_stride, Cos, Sin, Slots, KC, VC, v_offset,
+    def _gemv_kernel(X, W, Bias, O, N, K, k_split, units, Cos, Sin, Slots, KC, VC, v_offset,
                      ITERS: tl.constexpr, K_TILES: tl.constexpr,
                      SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PARTIALS: tl.constexpr,
                      EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     ROPE_D: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr, ROWS_P: tl.constexpr,
-                     IEEE: tl.constexpr):
+                     ROPE_D: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr):
         """One row: out[n] = W[n, :] . x, persistent. A work unit is BLOCK_N output columns times one of
         SPLIT K slices; program p takes units p, p + P, p + 2P, ... in ONE flat loop over (unit, K
         tile), loading iteration it + 1's tiles before it sums iteration it's: a program always has a
@@ -280,57 +271,32 @@ if triton is not None:
         SMs). ITERS = ceil(units / P) * K_TILES for every program; one short of a unit in its last
         round masks that round off. u = column block * SPLIT + slice, so partials [SPLIT, 1, N] are
         written in place: no atomics, the same sums every run. ROPE_D > 0 (wqkv, one token): no O
-        row; _rope_store_pairs rotates and stores q (to O, [H_Q, D]) and k, v (to the cache).
-        ROWS_P > 1 (PERSISTENT_ROWS): `rows` rows at once, padded to ROWS_P >= 16 for tl.dot: each
-        weight tile is still read once, and multiplies every row."""
+        row; _rope_store_pairs rotates and stores q (to O, [H_Q, D]) and k, v (to the cache)."""
         pid = tl.program_id(0)
         progs = tl.num_programs(0)
-        if ROWS_P == 1:
-            acc = tl.zeros([BLOCK_N], tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_N, ROWS_P], tl.float32)
-            r = tl.arange(0, ROWS_P)
-        w, g, up, n, n_ok, part, kt = _gemv_tile(X, W, N, K, k_split, units, rows, x_stride, 0, pid, progs, ITERS,
-                                                 K_TILES, SPLIT, SILU, EVEN, BLOCK_N, BLOCK_K, ROPE_D, ROWS_P)
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        w, g, up, n, n_ok, part, kt = _gemv_tile(X, W, N, K, k_split, units, 0, pid, progs, ITERS, K_TILES, SPLIT,
+                                                 SILU, EVEN, BLOCK_N, BLOCK_K, ROPE_D)
         for it in range(0, ITERS):
-            w1, g1, up1, n1, n_ok1, part1, kt1 = _gemv_tile(X, W, N, K, k_split, units, rows, x_stride, it + 1, pid,
-                                                            progs, ITERS, K_TILES, SPLIT, SILU, EVEN, BLOCK_N,
-                                                            BLOCK_K, ROPE_D, ROWS_P)
+            w1, g1, up1, n1, n_ok1, part1, kt1 = _gemv_tile(X, W, N, K, k_split, units, it + 1, pid, progs, ITERS,
+                                                            K_TILES, SPLIT, SILU, EVEN, BLOCK_N, BLOCK_K, ROPE_D)
+            if SILU:   # silu(gate) * up, rounded to the weights' dtype as silu_mul writes it
+                x = _silu_times(g, up).to(w.dtype).to(tl.float32)
+            else:
+                x = g.to(tl.float32)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
             last = kt == K_TILES - 1
-            if ROWS_P == 1:
-                if SILU:   # silu(gate) * up, rounded to the weights' dtype as silu_mul writes it
-                    x = _silu_times(g, up).to(w.dtype).to(tl.float32)
+            if PARTIALS:
+                tl.store(O + part * N + n, acc, mask=n_ok & last)
+            else:
+                out = acc
+                if HAS_BIAS:
+                    out += tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)
+                if ROPE_D > 0:
+                    _rope_store_pairs(out, n, n_ok & last, Cos, Sin, Slots, KC, VC, O, v_offset, H_Q, H_KV, ROPE_D,
+                                      BLOCK_N)
                 else:
-                    x = g.to(tl.float32)
-                acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
-                if PARTIALS:
-                    tl.store(O + part * N + n, acc, mask=n_ok & last)
-                else:
-                    out = acc
-                    if HAS_BIAS:
-                        out += tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)
-                    if ROPE_D > 0:
-                        _rope_store_pairs(out, n, n_ok & last, Cos, Sin, Slots, KC, VC, O, v_offset, H_Q, H_KV,
-                                          ROPE_D, BLOCK_N)
-                    else:
-                        tl.store(O + n, out.to(O.dtype.element_ty), mask=n_ok & last)
-            else:   # acc [BLOCK_N, ROWS_P] += W tile @ x^T tile, as _linear_rows_kernel multiplies
-                if SILU:
-                    xt = _silu_times(g, up).to(w.dtype)
-                else:
-                    xt = g
-                if IEEE:
-                    acc = tl.dot(w, xt, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(w, xt, acc)
-                ok = (n_ok & last)[:, None] & (r < rows)[None, :]
-                if PARTIALS:
-                    tl.store(O + (part * rows + r[None, :]) * N + n[:, None], acc, mask=ok)
-                else:
-                    out = acc
-                    if HAS_BIAS:
-                        out += tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-                    tl.store(O + r[None, :] * N + n[:, None], out.to(O.dtype.element_ty), mask=ok)
+                    tl.store(O + n, out.to(O.dtype.element_ty), mask=n_ok & last)
             acc = tl.where(last, 0.0, acc)
             w, g, up, n, n_ok, part, kt = w1, g1, up1, n1, n_ok1, part1, kt1
 
@@ -456,9 +422,6 @@ def linear_rows_config(rows: int, n: int, k: int) -> tuple[int, int, int, int, i
     return block_n, block_k, split, 4, 3
 
 
-PERSISTENT_ROWS = 0   # 2..64: linear_rows for up to this many rows runs the persistent kernel (_gemv_kernel with
-                      # tl.dot over the rows) instead of a program per tile; 0: off. Not yet measured on a GPU
-                      # (`triton!PERSISTENT_ROWS=64` in bench_gpu_verify, with --matmul-sweep --matmul-pick)
 GEMV_PROGRAMS_PER_SM = 4   # the one-row GEMV's persistent grid (H200, 2026-12-01: the best config of each
                            # matrix with 4 / 2 / 1 per SM: wqkv 4.86 / 4.85 / 5.56 us, wo 3.95 / 4.22, w13 17.9 / 20.3)
 
@@ -471,9 +434,8 @@ def _gemv_programs(device: torch.device) -> int:
 
 def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
                         partials: bool, cfg: tuple[int, int, int, int, int] | None) -> torch.Tensor:
-    """One row (or up to PERSISTENT_ROWS): the persistent GEMV (_gemv_kernel); more: _linear_rows_kernel.
-    A K split writes float32 partials, returned as they are (partials) or summed, with the bias, by one
-    more launch."""
+    """One row: the persistent GEMV (_gemv_kernel); more: _linear_rows_kernel. A K split writes float32
+    partials, returned as they are (partials) or summed, with the bias, by one more launch."""
     rows = x.shape[0]
     n, k = weight.shape
     if not 0 < rows <= LINEAR_ROWS_MAX:
@@ -491,16 +453,14 @@ def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     else:
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     has_bias = bias is not None and not to_partials
-    if rows == 1 or rows <= PERSISTENT_ROWS:
+    if rows == 1:
         units = triton.cdiv(n, block_n) * split
         progs = min(units, _gemv_programs(x.device))
-        _gemv_kernel[(progs,)](x, weight, x if bias is None else bias, out, n, k, k_split, units, rows, x.shape[1],
-                               x, x, x, x, x, 0,
+        _gemv_kernel[(progs,)](x, weight, x if bias is None else bias, out, n, k, k_split, units, x, x, x, x, x, 0,
                                ITERS=triton.cdiv(units, progs) * (k_split // block_k), K_TILES=k_split // block_k,
                                SPLIT=split, HAS_BIAS=has_bias, SILU=silu, PARTIALS=to_partials, EVEN=even,
                                BLOCK_N=block_n, BLOCK_K=block_k, ROPE_D=0, H_Q=0, H_KV=0,
-                               ROWS_P=1 if rows == 1 else max(16, triton.next_power_of_2(rows)),
-                               IEEE=weight.dtype == torch.float32, num_warps=warps, num_stages=stages)
+                               num_warps=warps, num_stages=stages)
     else:
         _linear_rows_kernel[(triton.cdiv(n, block_n), split)](
             x, weight, x if bias is None else bias, out, rows, n, k, k_split, x.shape[1], K_TILES=k_split // block_k,
@@ -583,11 +543,11 @@ def linear_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     units = n // block_n
     progs = min(units, _gemv_programs(x.device))
     k_tiles = triton.cdiv(k, block_k)
-    _gemv_kernel[(progs,)](x, weight, x if bias is None else bias, q, n, k, k_tiles * block_k, units, 1, k, cos, sin,
-                           slots, cache, cache, cache.stride(0), ITERS=triton.cdiv(units, progs) * k_tiles,
-                           K_TILES=k_tiles, SPLIT=1, HAS_BIAS=bias is not None, SILU=False,
+    _gemv_kernel[(progs,)](x, weight, x if bias is None else bias, q, n, k, k_tiles * block_k, units, cos, sin, slots,
+                           cache, cache, cache.stride(0), ITERS=triton.cdiv(units, progs) * k_tiles, K_TILES=k_tiles,
+                           SPLIT=1, HAS_BIAS=bias is not None, SILU=False,
                            PARTIALS=False, EVEN=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, ROPE_D=D,
-                           H_Q=n_head, H_KV=n_head_kv, ROWS_P=1, IEEE=False, num_warps=warps, num_stages=stages)
+                           H_Q=n_head, H_KV=n_head_kv, num_warps=warps, num_stages=stages)
     return q
 
 

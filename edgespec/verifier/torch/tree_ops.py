@@ -254,9 +254,10 @@ def accept(tokens: torch.Tensor, parents: torch.Tensor, choice: torch.Tensor, ma
     return out, src, dst
 
 
-MOVE_ROWS_KERNEL = 0   # 1: the step's compaction copy is one Triton launch that moves only the rows that move
-                       # (move_rows), not an index_select + index_copy_ of all B*T rows. Not yet measured on a
-                       # GPU: off (`triton!MOVE_ROWS_KERNEL=1` in bench_gpu_verify)
+MOVE_ROWS_KERNEL = 1   # 1: the step's compaction copy is one Triton launch that moves only the rows that move
+                       # (move_rows); 0: an index_select + index_copy_ of all B*T rows (move_rows_torch). H200,
+                       # 2026-12-02, graph replay against 0 in one run: 8 x 64 -2.3 %, the other cells -0.2..-0.8 %
+                       # (docs/BENCHMARKS.md, ninth session); the check against index_copy_ passed
 
 
 def move_rows(flat: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, T: int) -> None:

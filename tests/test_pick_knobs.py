@@ -38,6 +38,9 @@ def test_a_variant_wins_only_with_a_gain_no_loss_and_a_passed_check():
 def test_without_its_check_a_checked_knob_never_wins(tmp_path):
     result = run_of({"triton": (1.6, 2.2, 4.2), "triton!GEMV_ROPE=1": (1.0, 1.0, 1.0)})
     assert pick(result)[0] == {}
+    # turning a checked kernel off needs no check: the fallback is the reference
+    assert pick(run_of({"triton": (1.6, 2.2, 4.2), "triton!MOVE_ROWS_KERNEL=0": (1.5, 2.2, 4.2)}))[0] == {
+        "MOVE_ROWS_KERNEL": 0}
     path = tmp_path / "v.json"
     path.write_text(json.dumps(run_of({"triton": (1.6, 2.2, 4.2), "triton!TARGET_PROGRAMS=192": (1.5, 2.2, 4.2)})))
     env = tmp_path / "knobs.env"

@@ -5,8 +5,8 @@
 #
 #   tools/gpu_run.sh experiments   # random weights: the tree's keys in a split of their own (TREE_SPLIT)
 #                                  #   against the default, in steps and on the BASELINES shapes; RoPE in
-#                                  #   the one-row wqkv GEMV (GEMV_ROPE), the compaction copy as one kernel
-#                                  #   (MOVE_ROWS_KERNEL), fewer key splits (TARGET_PROGRAMS), each checked,
+#                                  #   the one-row wqkv GEMV (GEMV_ROPE), the compaction copy by index_copy_
+#                                  #   (MOVE_ROWS_KERNEL=0), fewer key splits (TARGET_PROGRAMS), each checked,
 #                                  #   then timed in the steps; the winners (tools/pick_knobs.py) are what
 #                                  #   the later phases run with
 #   tools/gpu_run.sh verifier      # random weights: ceilings, checks, attention vs cuDNN, steps vs HF,
@@ -57,7 +57,7 @@ case $phase in
   experiments)   # the defaults against each knob variant in one process; tools/pick_knobs.py names the winners
     EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip hf,capacity,mixed,matmuls \
       --checks gemv_rope,move_rows,tree_split --trees 1,16,64 \
-      --attention 'triton,triton!TREE_SPLIT=1,triton!GEMV_ROPE=1,triton!MOVE_ROWS_KERNEL=1,triton!TARGET_PROGRAMS=192' \
+      --attention 'triton,triton!TREE_SPLIT=1,triton!GEMV_ROPE=1,triton!MOVE_ROWS_KERNEL=0,triton!TARGET_PROGRAMS=192' \
       --attention-configs '0x0w4s0,0x0w4s0!TREE_SPLIT=1,128x64w8s3,128x64w8s3!TREE_SPLIT=1' \
       "${ITERS[@]}" --out "$OUT/variants.json" \
       && python3 tools/pick_knobs.py "$OUT/variants.json" --env "$OUT/knobs.env" && cp "$OUT/knobs.env" "$KNOBS_FILE"

@@ -4,9 +4,9 @@
 Input: the JSON of a run whose step section timed "triton" (the defaults) and variants
 "triton!KNOB=V[:KNOB=V]" on the same cells (tools/gpu_run.sh experiments). A variant wins when
 
-- its check passed, where one exists (GEMV_ROPE: same argmax as the separate RoPE launch;
-  MOVE_ROWS_KERNEL: the cache equal to index_copy_'s; TREE_SPLIT: relative error < 1e-2 against
-  float64, as the default kernel's check), and
+- its check passed, where one exists and the variant turns the checked kernel on (GEMV_ROPE: same
+  argmax as the separate RoPE launch; MOVE_ROWS_KERNEL: the cache equal to index_copy_'s;
+  TREE_SPLIT: relative error < 1e-2 against float64, as the default kernel's check), and
 - its graph replay is at least MIN_GAIN faster than the default's in some cell and at most
   MAX_LOSS slower in every cell (replay, not the host clock: the host adds noise the GPU does not).
 
@@ -27,8 +27,11 @@ MIN_GAIN = 0.015
 MAX_LOSS = 0.015
 
 
-def check_passed(result: dict, knob: str) -> tuple[bool, str]:
-    """(passed, why) for the check of `knob` in the run; knobs without a check pass."""
+def check_passed(result: dict, knob: str, value: int) -> tuple[bool, str]:
+    """(passed, why) for the check of `knob` set to `value` in the run; knobs without a check, and 0
+    (the checked kernel off: the path it falls back to is the reference), pass."""
+    if value == 0:
+        return True, "off"
     if knob == "GEMV_ROPE":
         c = result.get("gemv_rope_check") or {}
         return bool(c.get("same_argmax")) and c.get("used") is True, f"gemv_rope_check {c}"
@@ -68,7 +71,7 @@ def pick(result: dict, min_gain: float = MIN_GAIN, max_loss: float = MAX_LOSS) -
             lines.append(f"{name}: lacks cells {sorted(set(base) - set(gains))}: not picked")
             continue
         best, worst = max(gains.values()), min(gains.values())
-        checks = [check_passed(result, k) for k in knobs]
+        checks = [check_passed(result, k, v) for k, v in knobs.items()]
         ok = all(c[0] for c in checks)
         wins = ok and best >= min_gain and worst >= -max_loss
         cell_text = " ".join(f"{b}x{t} {100 * g:+.1f}%" for (b, t), g in sorted(gains.items()))

@@ -507,7 +507,8 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: t
 
 
 GEMV_ROPE = 0   # 1: a one-token step's wqkv GEMV also does RoPE and the cache writes (linear_rope_store): one
-                # launch a layer fewer. Not yet measured on a GPU: off (`triton!GEMV_ROPE=1` in bench_gpu_verify)
+                # launch a layer fewer. Off: on the H200 (2026-12-02, docs/BENCHMARKS.md ninth session) the
+                # 1 x 1 replay went 1.517 -> 1.504 ms (-0.9 %, the epilogue takes back most of what the launch cost)
 
 
 def gemv_rope_fits(rows: int, weight: torch.Tensor, head_dim: int) -> bool:

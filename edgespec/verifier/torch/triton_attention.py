@@ -197,8 +197,9 @@ class TritonPagedAttention:
                             # in L2): 0.82 -> 0.67 ms at 32 x 2048, 3-4 % at 8 x 4096 and 8 x 32768 (H200, 2026-12-01)
     TREE_SPLIT = 0          # 1: one more split that takes the tree's (masked) keys alone, so that the context's
                             # programs run unmasked tiles only and the tree tile's unpipelined loads overlap them.
-                            # Not yet measured: off. (The tree tile costs 6-18 % of the kernel on the H200 today,
-                            # docs/BENCHMARKS.md, seventh session; `triton!TREE_SPLIT=1` times it as a variant.)
+                            # Off: on the H200 (2026-12-02, docs/BENCHMARKS.md ninth session) steps were up to 4.6 %
+                            # slower (8 x 16) and the BASELINES shapes 10-33 % slower with the default tiles; only
+                            # 8 x 32768 with 128 x 64 tiles, 8 warps, 3 stages gained (4 %).
 
     def tile_config(self, rows: int, split_keys: int) -> tuple[int, int, int]:
         """(BLOCK_M, BLOCK_N, stages) for `rows` query rows per (sequence, KV head) and about

@@ -61,7 +61,7 @@ def parse(spec: str) -> dict[str, int]:
 
 
 def current(names: Iterable[str]) -> dict[str, int]:
-    """The values in effect now of the knobs `names` (benchmarks record them with their results)."""
+    """The values in effect now of the knobs `names` (for logs and tests)."""
     return {k: int(getattr(_owner(k), k)) for k in names}
 
 

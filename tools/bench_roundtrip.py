@@ -8,6 +8,8 @@ Per step (1-node trees, greedy; medians after 30 warm-up steps), in ms:
 - echo: a bare grpcio stream-stream echo of a 40-byte message (the transport's floor here), and the
   same echo whose handler first sleeps as long as the verifier's median compute (a stream that
   idles between messages wakes up slower: that part is gRPC's and the machine's, not edgespec's);
+- tcp echo: both again over a plain loopback socket, which splits that idle cost into the
+  machine's (waking a sleeping thread) and gRPC's (its poller and callback threads wake in turn);
 - link: RemoteVerifier.verify wall time minus the server's reported compute and queue time, split into
   the client's own Python (wall minus its round trip) and the rest (transport, the server's request
   thread: parsing, checks, the compute lock, metrics, the reply).
@@ -17,8 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import queue
+import socket
 import statistics
 import sys
+import threading
 import time
 from concurrent import futures
 from pathlib import Path
@@ -69,6 +73,35 @@ def echo_ms(steps: int, pause_s: float = 0.0) -> float:
     return 1000 * statistics.median(times[30:])
 
 
+def tcp_echo_ms(steps: int, pause_s: float = 0.0) -> float:
+    """The same echo over a plain loopback TCP socket (TCP_NODELAY, a server thread that sleeps
+    `pause_s` before it answers): what waking an idle thread costs on this machine without gRPC."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while data := conn.recv(64):
+            if pause_s:
+                time.sleep(pause_s)
+            conn.sendall(data)
+        conn.close()
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    client = socket.create_connection(listener.getsockname())
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        client.sendall(b"x" * 40)
+        client.recv(64)
+        times.append(time.perf_counter() - t - pause_s)
+    client.close()
+    server.join(5)
+    listener.close()
+    return 1000 * statistics.median(times[30:])
+
+
 def link_ms(model: str, steps: int) -> dict:
     round_trips: list[tuple[float, object]] = []
     plain = edge_link.Link._roundtrip
@@ -114,8 +147,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=400)
     args = ap.parse_args()
     link = link_ms(args.model, args.steps)
+    pause = link["server_compute_ms"] / 1000
     out = {"echo_ms": echo_ms(args.steps), **link,
-           "echo_after_compute_pause_ms": echo_ms(min(args.steps, 300), link["server_compute_ms"] / 1000)}
+           "echo_after_compute_pause_ms": echo_ms(min(args.steps, 300), pause),
+           "tcp_echo_ms": tcp_echo_ms(args.steps), "tcp_echo_after_compute_pause_ms": tcp_echo_ms(min(args.steps, 300), pause)}
     print(json.dumps({k: round(v, 3) for k, v in out.items()}))
     return 0
 

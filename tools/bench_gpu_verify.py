@@ -535,9 +535,9 @@ def bench_steps(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dic
             knobs["TARGET_PROGRAMS"], knobs["MIN_SPLIT_KEYS"] = (int(v) for v in policy.split(":"))
         if tiles:
             knobs["BLOCK_M"], knobs["BLOCK_N"] = (int(v) for v in tiles.split("x"))
-        settings = dict(kv.split("=", 1) for kv in extra.split(":") if kv)
-        blas = settings.pop("BLAS", "default")     # !BLAS=cublaslt: torch's preferred BLAS library for the variant
-        knobs.update(knob_values(":".join(f"{k}={v}" for k, v in settings.items())))
+        items = extra.split(":")   # !BLAS=cublaslt: torch's preferred BLAS library for the variant, not a kernel knob
+        blas = next((kv.partition("=")[2] for kv in items if kv.startswith("BLAS=")), "default")
+        knobs.update(knob_values(":".join(kv for kv in items if not kv.startswith("BLAS="))))
         engine = Engine(model, num_blocks=max(batches) * per_seq + 8, block_size=16, attention=attention,
                         cuda_graphs=device.type == "cuda" and not args.no_graph,
                         fused=False if unfused == "unfused" else None, small_rows_matmul=small)

@@ -17,13 +17,14 @@ import os
 from contextlib import contextmanager
 from typing import Iterable, Iterator, Mapping
 
-from edgespec.verifier.torch import fused, tree_ops
-
 ENV = "EDGESPEC_KERNEL_KNOBS"
 
 
 def _owners() -> tuple[object, ...]:
-    """The kernels' homes; the attention kernel's module needs triton, so it is imported only here."""
+    """The kernels' homes, imported only when a knob is named: with no knobs set, importing the engine
+    does not load fused.py (the model imports it when the fused forward first runs)."""
+    from edgespec.verifier.torch import fused, tree_ops
+
     try:
         from edgespec.verifier.torch.triton_attention import TritonPagedAttention
     except ImportError:   # a CPU install without triton: only the torch fallbacks' knobs exist
@@ -49,14 +50,14 @@ def parse(spec: str) -> dict[str, int]:
         item = item.strip()
         if not item:
             continue
-        name, sep, value = item.partition("=")
+        name, sep, value = (part.strip() for part in item.partition("="))
         if not sep:
             raise ValueError(f"kernel knob {item!r} is not NAME=VALUE")
-        _owner(name.strip())
+        _owner(name)
         try:
-            values[name.strip()] = int(value)
+            values[name] = int(value)
         except ValueError:
-            raise ValueError(f"kernel knob {name.strip()} needs an integer, got {value!r}") from None
+            raise ValueError(f"kernel knob {name} needs an integer, got {value!r}") from None
     return values
 
 

@@ -23,6 +23,10 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from edgespec.verifier.torch import knobs  # noqa: E402
+
 MIN_GAIN = 0.015
 MAX_LOSS = 0.015
 
@@ -46,9 +50,8 @@ def check_passed(result: dict, knob: str, value: int) -> tuple[bool, str]:
 
 
 def variant_knobs(name: str) -> dict[str, int]:
-    """'triton!A=1:B=2' -> {'A': 1, 'B': 2}."""
-    _, _, extra = name.partition("!")
-    return {k: int(v) for k, v in (kv.split("=", 1) for kv in extra.split(":") if kv)}
+    """'triton!A=1:B=2' -> {'A': 1, 'B': 2} (knobs.parse: a ValueError where a name is no kernel knob)."""
+    return knobs.parse(name.partition("!")[2])
 
 
 def pick(result: dict, min_gain: float = MIN_GAIN, max_loss: float = MAX_LOSS) -> tuple[dict[str, int], list[str]]:
@@ -60,28 +63,32 @@ def pick(result: dict, min_gain: float = MIN_GAIN, max_loss: float = MAX_LOSS) -
     base = cells.get("triton")
     if not base:
         raise ValueError("the run has no 'triton' (default) step cells to compare against")
-    won: dict[str, tuple[float, dict[str, int]]] = {}
+    won: dict[str, tuple[float, int]] = {}   # knob -> (the best gain of a variant that set it, its value)
     lines = []
     for name, times in cells.items():
         if name == "triton" or "!" not in name:
             continue
-        knobs = variant_knobs(name)
+        try:
+            settings = variant_knobs(name)
+        except ValueError as exc:   # e.g. !BLAS=cublaslt: not something EDGESPEC_KERNEL_KNOBS can set
+            lines.append(f"{name}: {exc}: not picked")
+            continue
         gains = {c: 1 - times[c] / base[c] for c in base if c in times}
         if len(gains) < len(base):
             lines.append(f"{name}: lacks cells {sorted(set(base) - set(gains))}: not picked")
             continue
         best, worst = max(gains.values()), min(gains.values())
-        checks = [check_passed(result, k, v) for k, v in knobs.items()]
+        checks = [check_passed(result, k, v) for k, v in settings.items()]
         ok = all(c[0] for c in checks)
         wins = ok and best >= min_gain and worst >= -max_loss
         cell_text = " ".join(f"{b}x{t} {100 * g:+.1f}%" for (b, t), g in sorted(gains.items()))
         lines.append(f"{name}: {cell_text} -> {'WIN' if wins else 'no'}"
                      + ("" if ok else f" (check failed: {'; '.join(c[1] for c in checks if not c[0])})"))
         if wins:
-            for k, v in knobs.items():
+            for k, v in settings.items():
                 if k not in won or won[k][0] < best:
-                    won[k] = (best, {k: v})
-    return {k: v for _, d in won.values() for k, v in d.items()}, lines
+                    won[k] = (best, v)
+    return {k: v for k, (_, v) in won.items()}, lines
 
 
 def main() -> int:

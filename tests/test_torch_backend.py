@@ -382,7 +382,7 @@ def test_verifier_serve_backend_torch_end_to_end(backend, smol_path, smol_model,
 
     with EmbeddedVerifier(smol_path, n_ctx=1024, max_sessions=2,
                           extra_args=["--backend", "torch", "--device", "cpu", "--threads", "1"]) as ev:
-        info = subprocess.run([sys.executable, "-m", "edgespec", "verifier", "info", ev.address, "--token", ev.token],
+        info = subprocess.run([sys.executable, "-m", "edgespec", "verifier", "info", ev.address, f"--token={ev.token}"],
                               capture_output=True, text=True, timeout=60)
         assert info.returncode == 0, info.stderr
         assert json.loads(info.stdout)["backend"] == "torch-cpu-float32"

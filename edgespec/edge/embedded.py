@@ -63,7 +63,8 @@ class EmbeddedVerifier:
         `ip netns exec NS` to put it in a network namespace; `wait_serving=False` then, because the
         health check would come from this process's namespace)."""
         self.model = str(model)
-        self.token = secrets.token_urlsafe(24)
+        # hex, not urlsafe: a urlsafe token can start with '-', which argparse reads as an option
+        self.token = secrets.token_hex(24)
         self.stop_timeout_s = stop_timeout_s
         self.startup_timeout_s = startup_timeout_s
         self.wait_serving = wait_serving

@@ -48,3 +48,12 @@ def test_without_its_check_a_checked_knob_never_wins(tmp_path):
                          capture_output=True, text=True, check=True).stdout
     assert "EDGESPEC_KERNEL_KNOBS=TARGET_PROGRAMS=192" in out
     assert env.read_text() == "export EDGESPEC_KERNEL_KNOBS=TARGET_PROGRAMS=192\n"
+
+
+def test_pdl_wins_only_with_bit_identical_steps():
+    times = {"triton": (1.6, 2.2, 4.2), "triton!PDL=1": (1.4, 2.0, 4.1)}
+    same = {"same_decisions": True, "bit_identical_logits": True, "max_logit_diff": 0.0}
+    assert pick(run_of(times, pdl_check=same))[0] == {"PDL": 1}
+    for bad in ({**same, "bit_identical_logits": False, "max_logit_diff": 0.03}, {**same, "same_decisions": False},
+                {"error": "RuntimeError: capture failed"}):
+        assert pick(run_of(times, pdl_check=bad))[0] == {}

@@ -10,7 +10,8 @@ Sections (each prints a table; everything goes to --out as JSON):
 2. checks: the Triton kernel against the torch reference (bf16, relative error) and the engine's
    device decisions with CUDA graphs against accept_greedy on eager logits (tiny float32 model);
    compaction between graph steps; fused.GEMV_ROPE against the separate RoPE launch, tree_ops.move_rows
-   against index_copy_, the kernel with TREE_SPLIT=1 against float64 (--checks);
+   against index_copy_, the kernel with TREE_SPLIT=1 against float64, steps with programmatic
+   dependent launch (pdl.PDL) against plain launches, bit for bit (--checks);
 3. attention: tree of 64 nodes, 64 query / 8 KV heads, d 128, bf16, paged (block 16): the Triton
    kernel, the torch reference (gather + masked SDPA), and SDPA with no mask over contiguous K/V
    (flash, cuDNN: less work than a tree kernel must do), against the roofline floor. Kernels are
@@ -247,6 +248,38 @@ def check_move_rows() -> dict:
     tree_ops.move_rows_torch(want, src, dst)
     tree_ops.move_rows(flat, src, dst, T)
     return {"moved_rows": int((src != dst).sum()), "equal": bool(torch.equal(flat, want))}
+
+
+def check_pdl(context: int = 300) -> dict:
+    """pdl.PDL (programmatic dependent launch) against plain launches: random bf16 weights of the
+    Qwen2.5-1.5B shape, the same verify steps through CUDA graphs (B x T = 1 x 1, 4 x 16, 1 x 64, three
+    rounds each). The kernels are the same code with a wait at their start, so logits and decisions must
+    be bit-identical; a kernel reading before its producer's writes are visible would show here."""
+    model = TransformerLM.random(ModelConfig.qwen2_1_5b(), dtype=torch.bfloat16, device="cuda", seed=6,
+                                 max_positions=context + 256)
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 151936, size=context - 37 * i).tolist() for i in range(4)]
+    rounds = [(B, [(rng.integers(0, 151936, size=T).tolist(), random_parents(T, rng)) for _ in range(B)])
+              for B, T in ((1, 1), (4, 16), (1, 64)) for _ in range(3)]
+    runs = []
+    for on in (0, 1):
+        with kernel_knobs.override({"PDL": on}):
+            engine = Engine(model, num_blocks=4 * (-(-(context + 256) // 16)) + 8, block_size=16, cuda_graphs=True)
+            seqs = [engine.new_sequence() for _ in prompts]
+            for s, p in zip(seqs, prompts):
+                engine.prefill(s, p)
+            decided, logits = [], []
+            for B, trees in rounds:
+                ds = engine.verify([TreeStep(s, t, par) for s, (t, par) in zip(seqs, trees)])
+                decided.append([(d.path, d.next_token) for d in ds])
+                got = engine.last_logits()
+                logits.append(torch.cat([got[b, :len(t)] for b, (t, _) in enumerate(trees)]).float().clone())
+            runs.append((decided, logits, engine.stats["captures"]))
+            del engine
+    (d0, l0, c0), (d1, l1, c1) = runs
+    return {"steps": len(rounds), "captures": [c0, c1], "same_decisions": d0 == d1,
+            "bit_identical_logits": all(torch.equal(a, b) for a, b in zip(l0, l1)),
+            "max_logit_diff": max(float((a - b).abs().max()) for a, b in zip(l0, l1))}
 
 
 def check_compaction() -> dict:
@@ -922,7 +955,7 @@ def main() -> int:
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--skip", default="",
                    help="comma-separated sections to skip: ceilings,checks,attention,matmuls,step,mixed,hf,capacity")
-    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope,move_rows,tree_split",
+    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope,move_rows,tree_split,pdl",
                    help="which checks the checks section runs")
     p.add_argument("--small-rows-matmul", default="",
                    help="step cells with these Engine small_rows_matmul values, comma-separated: off (0), on (64) "
@@ -989,7 +1022,8 @@ def main() -> int:
         log("[check] engine with CUDA graphs vs accept_greedy on eager logits:", json.dumps(result["engine_checks"]))
     for name, check, what in (("compaction", check_compaction, "compaction between graph steps vs none"),
                               ("gemv_rope", check_gemv_rope, "RoPE in the one-row wqkv GEMV vs its own launch"),
-                              ("move_rows", check_move_rows, "the compaction copy kernel vs index_copy_")):
+                              ("move_rows", check_move_rows, "the compaction copy kernel vs index_copy_"),
+                              ("pdl", check_pdl, "programmatic dependent launch vs plain launches")):
         if cuda and "checks" not in skip and name in checks:
             try:
                 result[f"{name}_check"] = check()

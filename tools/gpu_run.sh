@@ -3,12 +3,10 @@
 # A lent GPU machine runs one command for at most 10 minutes and keeps /tmp only while it stays busy,
 # so the script runs in phases, one device call each, back to back on the same machine:
 #
-#   tools/gpu_run.sh experiments   # random weights: the tree's keys in a split of their own (TREE_SPLIT)
-#                                  #   against the default, in steps and on the BASELINES shapes; RoPE in
-#                                  #   the one-row wqkv GEMV (GEMV_ROPE), the compaction copy by index_copy_
-#                                  #   (MOVE_ROWS_KERNEL=0), fewer key splits (TARGET_PROGRAMS), each checked,
-#                                  #   then timed in the steps; the winners (tools/pick_knobs.py) are what
-#                                  #   the later phases run with
+#   tools/gpu_run.sh experiments   # random weights: kernel-knob variants (now: programmatic dependent
+#                                  #   launch, PDL) against the defaults, checked, then timed in the steps
+#                                  #   and on the attention shapes; the winners (tools/pick_knobs.py) are
+#                                  #   what the later phases run with
 #   tools/gpu_run.sh verifier      # random weights: ceilings, checks, attention vs cuDNN, steps vs HF,
 #                                  #   prefill riding in verify steps, a kernel profile; gpt-fast beside it
 #   tools/gpu_run.sh real          # real weights: greedy equality, capacity with recorded drafts, GPU χ²
@@ -55,10 +53,11 @@ staged() {  # the GGUFs a phase reads must be complete: sha256 as in ~/.cache/ed
 
 case $phase in
   experiments)   # the defaults against each knob variant in one process; tools/pick_knobs.py names the winners
+    # (the ninth session's variants, TREE_SPLIT, GEMV_ROPE, MOVE_ROWS_KERNEL=0, TARGET_PROGRAMS, lost or were
+    # adopted: docs/BENCHMARKS.md; this run A/Bs programmatic dependent launch)
     EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip hf,capacity,mixed,matmuls \
-      --checks gemv_rope,move_rows,tree_split --trees 1,16,64 \
-      --attention 'triton,triton!TREE_SPLIT=1,triton!GEMV_ROPE=1,triton!MOVE_ROWS_KERNEL=0,triton!TARGET_PROGRAMS=192' \
-      --attention-configs '0x0w4s0,0x0w4s0!TREE_SPLIT=1,128x64w8s3,128x64w8s3!TREE_SPLIT=1' \
+      --checks pdl --trees 1,16,64 --attention 'triton,triton!PDL=1' \
+      --attention-configs '0x0w4s0,0x0w4s0!PDL=1' \
       "${ITERS[@]}" --out "$OUT/variants.json" \
       && python3 tools/pick_knobs.py "$OUT/variants.json" --env "$OUT/knobs.env" && cp "$OUT/knobs.env" "$KNOBS_FILE"
     ;;

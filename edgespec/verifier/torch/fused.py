@@ -23,9 +23,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from edgespec.verifier.torch import pdl
+
 try:
     import triton
     import triton.language as tl
+
+    from edgespec.verifier.torch.pdl import gdc_enter, prefetch_l2
 except ImportError:  # pragma: no cover - CPU installs without triton use the torch versions
     triton = None
 
@@ -91,12 +95,16 @@ def argmax_top2_torch(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 if triton is not None:
     @triton.jit
     def _add_rmsnorm_kernel(X, R, W, Y, eps, N, rows, HAS_R: tl.constexpr, R_PARTS: tl.constexpr,
-                            BLOCK: tl.constexpr):
+                            BLOCK: tl.constexpr, GDC: tl.constexpr, LINES: tl.constexpr):
         """R_PARTS > 0: R is float32 partials [R_PARTS, rows, N], summed and rounded to X's dtype
         (the matmul output they stand for) before the add."""
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < N
+        if GDC:   # the weight's lines into L2 while the previous kernel ends
+            at = tl.arange(0, LINES) * (BLOCK // LINES)
+            prefetch_l2(W, at, at < N, GDC)
+        gdc_enter(GDC)
         x = tl.load(X + row * N + cols, mask=ok, other=0.0)
         if HAS_R:
             if R_PARTS > 0:
@@ -130,11 +138,13 @@ if triton is not None:
 
     @triton.jit
     def _rope_store_kernel(QKV, Cos, Sin, Slots, KC, VC, QO, v_offset,
-                           H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr):
+                           H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr,
+                           GDC: tl.constexpr):
         """One program per token row and HEADS of its heads at once ([HEADS, D/2] tiles): RoPE on the
         q and k heads, q to QO, k and v to their cache slot. (A program per (row, head) left 8192
         one-warp programs at 512 rows: 6 us per layer on the H200 for 2 MB; all heads of a row in one
         program made the one-row step's 28 calls 14 us slower, so few rows split their heads.)"""
+        gdc_enter(GDC)
         row = tl.program_id(0)
         head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
         half = tl.arange(0, D // 2)
@@ -154,7 +164,8 @@ if triton is not None:
         return g / (1.0 + tl.exp(-g)) * up.to(tl.float32)
 
     @triton.jit
-    def _silu_mul_kernel(GU, O, F_: tl.constexpr, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(GU, O, F_: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+        gdc_enter(GDC)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < F_
@@ -166,7 +177,7 @@ if triton is not None:
     def _linear_rows_kernel(X, W, Bias, O, rows, N, K, k_split, x_stride, K_TILES: tl.constexpr,
                             HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PARTIALS: tl.constexpr,
                             EVEN: tl.constexpr, IEEE: tl.constexpr, ROWS_P: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr):
         """out^T [BLOCK_N, rows] = W[BLOCK_N, k-slice] @ x^T[k-slice, rows] for output columns
         pid0 * BLOCK_N.. and the K slice [pid1 * k_split, +k_split). Each weight element is read
         once by one program; x (rows padded to ROWS_P >= 16 for tl.dot) is small and comes from L2.
@@ -174,6 +185,7 @@ if triton is not None:
         silu(gate) * up, rounded to W's dtype (what silu_mul writes). PARTIALS: write float32
         [SPLIT, rows, N]; else add the bias, round, write O [rows, N]. EVEN: N % BLOCK_N == 0 and
         every slice is whole BLOCK_K tiles inside K."""
+        gdc_enter(GDC)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         r = tl.arange(0, ROWS_P)
@@ -211,12 +223,12 @@ if triton is not None:
             tl.store(O + r[None, :] * N + n[:, None], acc.to(O.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _gemv_tile(X, W, N, K, k_split, units, it, pid, progs, ITERS: tl.constexpr, K_TILES: tl.constexpr,
-                   SPLIT: tl.constexpr, SILU: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, ROPE_D: tl.constexpr):
-        """Loads of _gemv_kernel's flat iteration `it`: the weight tile, the input slice (gate and up
-        with SILU; else x twice), and where the tile's sums go. ROPE_D > 0 (a head size): column j of a
-        unit is output d + (j % 2) * ROPE_D / 2 of its head, d = j // 2 within the head, so the two
+    def _gemv_unit(N, K, k_split, units, it, pid, progs, ITERS: tl.constexpr, K_TILES: tl.constexpr,
+                   SPLIT: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   ROPE_D: tl.constexpr):
+        """Where _gemv_kernel's flat iteration `it` reads and writes: output columns n, input positions k,
+        their masks, the K slice (part) and the tile within it (kt). ROPE_D > 0 (a head size): column j of
+        a unit is output d + (j % 2) * ROPE_D / 2 of its head, d = j // 2 within the head, so the two
         halves RoPE rotates together come out of one program, side by side."""
         nn = tl.arange(0, BLOCK_N)
         kk = tl.arange(0, BLOCK_K)
@@ -234,10 +246,20 @@ if triton is not None:
         else:
             n_ok = (n < N) & unit_ok
             k_ok = (k < K) & (kt * BLOCK_K + kk < k_split)
-        w = tl.load(W + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(X + k, mask=k_ok & unit_ok, other=0.0)
+        return n, n_ok, k, k_ok & unit_ok, part, kt
+
+    @triton.jit
+    def _gemv_tile(X, W, N, K, k_split, units, it, pid, progs, ITERS: tl.constexpr, K_TILES: tl.constexpr,
+                   SPLIT: tl.constexpr, SILU: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, ROPE_D: tl.constexpr):
+        """Loads of _gemv_kernel's flat iteration `it`: the weight tile, the input slice (gate and up
+        with SILU; else x twice), and where the tile's sums go (_gemv_unit)."""
+        n, n_ok, k, x_ok, part, kt = _gemv_unit(N, K, k_split, units, it, pid, progs, ITERS, K_TILES, SPLIT, EVEN,
+                                                BLOCK_N, BLOCK_K, ROPE_D)
+        w = tl.load(W + n[:, None] * K + k[None, :], mask=n_ok[:, None] & x_ok[None, :], other=0.0)
+        g = tl.load(X + k, mask=x_ok, other=0.0)
         if SILU:
-            up = tl.load(X + K + k, mask=k_ok & unit_ok, other=0.0)
+            up = tl.load(X + K + k, mask=x_ok, other=0.0)
         else:
             up = g
         return w, g, up, n, n_ok, part, kt
@@ -246,7 +268,7 @@ if triton is not None:
     def _rope_store_pairs(out, n, ok, Cos, Sin, Slots, KC, VC, QO, v_offset, H_Q: tl.constexpr,
                           H_KV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
         """_gemv_kernel's epilogue with ROPE_D: the one row's q/k/v outputs `out` (columns n, pairs of
-        halves side by side, _gemv_tile) rounded as the matmul writes them, then what rope_store's kernel
+        halves side by side, _gemv_unit) rounded as the matmul writes them, then what rope_store's kernel
         does with them (_rotate_and_store), without its launch."""
         x1, x2 = tl.split(tl.reshape(out.to(QO.dtype.element_ty).to(tl.float32), [BLOCK_N // 2, 2]))
         n1, _ = tl.split(tl.reshape(n, [BLOCK_N // 2, 2]))
@@ -262,7 +284,8 @@ if triton is not None:
                      ITERS: tl.constexpr, K_TILES: tl.constexpr,
                      SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PARTIALS: tl.constexpr,
                      EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     ROPE_D: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr):
+                     ROPE_D: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr, GDC: tl.constexpr,
+                     LINES: tl.constexpr):
         """One row: out[n] = W[n, :] . x, persistent. A work unit is BLOCK_N output columns times one of
         SPLIT K slices; program p takes units p, p + P, p + 2P, ... in ONE flat loop over (unit, K
         tile), loading iteration it + 1's tiles before it sums iteration it's: a program always has a
@@ -271,9 +294,16 @@ if triton is not None:
         SMs). ITERS = ceil(units / P) * K_TILES for every program; one short of a unit in its last
         round masks that round off. u = column block * SPLIT + slice, so partials [SPLIT, 1, N] are
         written in place: no atomics, the same sums every run. ROPE_D > 0 (wqkv, one token): no O
-        row; _rope_store_pairs rotates and stores q (to O, [H_Q, D]) and k, v (to the cache)."""
+        row; _rope_store_pairs rotates and stores q (to O, [H_Q, D]) and k, v (to the cache). With GDC
+        the first tile's weight lines (LINES per row) are asked of L2 before the wait (pdl.py)."""
         pid = tl.program_id(0)
         progs = tl.num_programs(0)
+        if GDC:
+            n0, n_ok0, _, _, part0, _ = _gemv_unit(N, K, k_split, units, 0, pid, progs, ITERS, K_TILES, SPLIT, EVEN,
+                                                   BLOCK_N, BLOCK_K, ROPE_D)
+            k0 = part0 * k_split + tl.arange(0, LINES) * (BLOCK_K // LINES)
+            prefetch_l2(W, n0[:, None] * K + k0[None, :], n_ok0[:, None] & (k0 < K)[None, :], GDC)
+        gdc_enter(GDC)
         acc = tl.zeros([BLOCK_N], tl.float32)
         w, g, up, n, n_ok, part, kt = _gemv_tile(X, W, N, K, k_split, units, 0, pid, progs, ITERS, K_TILES, SPLIT,
                                                  SILU, EVEN, BLOCK_N, BLOCK_K, ROPE_D)
@@ -302,7 +332,8 @@ if triton is not None:
 
     @triton.jit
     def _sum_partials_kernel(P, Bias, O, rows, N, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             BLOCK: tl.constexpr):
+                             BLOCK: tl.constexpr, GDC: tl.constexpr):
+        gdc_enter(GDC)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < N
@@ -314,10 +345,11 @@ if triton is not None:
         tl.store(O + row * N + cols, acc.to(O.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _top2_chunks_kernel(X, Val, Idx, Second, V, CHUNKS, BLOCK: tl.constexpr):
+    def _top2_chunks_kernel(X, Val, Idx, Second, V, CHUNKS, BLOCK: tl.constexpr, GDC: tl.constexpr):
         """Stage 1 of argmax + top-2: each program reduces one BLOCK-wide chunk of one row to (its
         maximum, the first index of it, the runner-up). Many programs per row: one program reading
         a whole 600 KB row of a 152k vocabulary alone took 49 us on the H200."""
+        gdc_enter(GDC)
         row = tl.program_id(0)
         chunk = tl.program_id(1)
         idx = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -331,9 +363,10 @@ if triton is not None:
         tl.store(Second + out, c2)
 
     @triton.jit
-    def _top2_merge_kernel(Val, Idx, Second, Arg, Margin, CHUNKS, CHUNKS_P2: tl.constexpr):
+    def _top2_merge_kernel(Val, Idx, Second, Arg, Margin, CHUNKS, CHUNKS_P2: tl.constexpr, GDC: tl.constexpr):
         """Stage 2: the row's maximum over the chunks (ties: the earliest chunk, so the first index),
         and the runner-up: the best of the other chunks' maxima and the winning chunk's runner-up."""
+        gdc_enter(GDC)
         row = tl.program_id(0)
         c = tl.arange(0, CHUNKS_P2)
         ok = c < CHUNKS
@@ -354,11 +387,12 @@ def argmax_top2(logits: torch.Tensor, block: int = 4096) -> tuple[torch.Tensor, 
     val = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     idx = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
     second = torch.empty_like(val)
-    _top2_chunks_kernel[(rows, chunks)](logits, val, idx, second, V, chunks, BLOCK=block, num_warps=8)
+    gdc = pdl.launch_args(logits.device)
+    _top2_chunks_kernel[(rows, chunks)](logits, val, idx, second, V, chunks, BLOCK=block, num_warps=8, **gdc)
     arg = torch.empty(rows, dtype=torch.int64, device=logits.device)
     margin = torch.empty(rows, dtype=torch.float32, device=logits.device)
     _top2_merge_kernel[(rows,)](val, idx, second, arg, margin, chunks, CHUNKS_P2=triton.next_power_of_2(chunks),
-                                num_warps=1)
+                                num_warps=1, **gdc)
     return arg, margin
 
 
@@ -369,7 +403,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     parts = residual.shape[0] if residual is not None and residual.ndim == 3 else 0
     _add_rmsnorm_kernel[(rows,)](x, x if residual is None else residual, weight, y, eps, n, rows,
                                  HAS_R=residual is not None, R_PARTS=parts, BLOCK=triton.next_power_of_2(n),
-                                 num_warps=8)
+                                 num_warps=8, LINES=pdl.lines(triton.next_power_of_2(n), weight), **pdl.launch_args(x.device))
     return y, x
 
 
@@ -453,6 +487,7 @@ def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     else:
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     has_bias = bias is not None and not to_partials
+    gdc = pdl.launch_args(x.device)
     if rows == 1:
         units = triton.cdiv(n, block_n) * split
         progs = min(units, _gemv_programs(x.device))
@@ -460,19 +495,20 @@ def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                                ITERS=triton.cdiv(units, progs) * (k_split // block_k), K_TILES=k_split // block_k,
                                SPLIT=split, HAS_BIAS=has_bias, SILU=silu, PARTIALS=to_partials, EVEN=even,
                                BLOCK_N=block_n, BLOCK_K=block_k, ROPE_D=0, H_Q=0, H_KV=0,
-                               num_warps=warps, num_stages=stages)
+                               num_warps=warps, num_stages=stages, LINES=pdl.lines(block_k, weight), **gdc)
     else:
         _linear_rows_kernel[(triton.cdiv(n, block_n), split)](
             x, weight, x if bias is None else bias, out, rows, n, k, k_split, x.shape[1], K_TILES=k_split // block_k,
             HAS_BIAS=has_bias, SILU=silu, PARTIALS=to_partials, EVEN=even, IEEE=weight.dtype == torch.float32,
             ROWS_P=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=warps, num_stages=stages)
+            num_warps=warps, num_stages=stages, **gdc)
     if partials or split == 1:
         return out
     summed = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     blk = min(1024, triton.next_power_of_2(n))
     _sum_partials_kernel[(rows, triton.cdiv(n, blk))](out, out if bias is None else bias, summed, rows, n,
-                                                     PARTS=split, HAS_BIAS=bias is not None, BLOCK=blk, num_warps=4)
+                                                     PARTS=split, HAS_BIAS=bias is not None, BLOCK=blk, num_warps=4,
+                                                     **gdc)
     return summed
 
 
@@ -502,7 +538,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: t
     per_program = triton.next_power_of_2(heads) if rows >= ROPE_ROWS_ALL_HEADS else min(2, triton.next_power_of_2(heads))
     _rope_store_kernel[(rows, triton.cdiv(heads, per_program))](
         qkv, cos, sin, slots, cache, cache, q, cache.stride(0), H_Q=n_head, H_KV=n_head_kv, D=D, HEADS=per_program,
-        num_warps=4 if per_program * D >= 2048 else 1)
+        num_warps=4 if per_program * D >= 2048 else 1, **pdl.launch_args(qkv.device))
     return q
 
 
@@ -548,7 +584,8 @@ def linear_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                            cache, cache, cache.stride(0), ITERS=triton.cdiv(units, progs) * k_tiles, K_TILES=k_tiles,
                            SPLIT=1, HAS_BIAS=bias is not None, SILU=False,
                            PARTIALS=False, EVEN=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, ROPE_D=D,
-                           H_Q=n_head, H_KV=n_head_kv, num_warps=warps, num_stages=stages)
+                           H_Q=n_head, H_KV=n_head_kv, num_warps=warps, num_stages=stages,
+                           LINES=pdl.lines(block_k, weight), **pdl.launch_args(x.device))
     return q
 
 
@@ -557,5 +594,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     f = two_f // 2
     out = torch.empty(rows, f, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(f, block))](gate_up, out, F_=f, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(rows, triton.cdiv(f, block))](gate_up, out, F_=f, BLOCK=block, num_warps=4,
+                                                    **pdl.launch_args(gate_up.device))
     return out

@@ -1,7 +1,7 @@
 """Kernel knobs: the constants that choose between measured GPU kernel variants, set by name.
 
 The variants live next to their kernels as class or module constants (TritonPagedAttention.TREE_SPLIT,
-fused.GEMV_ROPE, tree_ops.MOVE_ROWS_KERNEL, tile sizes, split policy). Their defaults are what the
+fused.GEMV_ROPE, tree_ops.MOVE_ROWS_KERNEL, pdl.PDL, tile sizes, split policy). Their defaults are what the
 H200 runs measured fastest (docs/BENCHMARKS.md). An operator whose GPU differs, and the benchmarks
 that A/B the variants, set them here by name instead of editing the code:
 
@@ -23,13 +23,13 @@ ENV = "EDGESPEC_KERNEL_KNOBS"
 def _owners() -> tuple[object, ...]:
     """The kernels' homes, imported only when a knob is named: with no knobs set, importing the engine
     does not load fused.py (the model imports it when the fused forward first runs)."""
-    from edgespec.verifier.torch import fused, tree_ops
+    from edgespec.verifier.torch import fused, pdl, tree_ops
 
     try:
         from edgespec.verifier.torch.triton_attention import TritonPagedAttention
     except ImportError:   # a CPU install without triton: only the torch fallbacks' knobs exist
-        return (fused, tree_ops)
-    return (TritonPagedAttention, fused, tree_ops)
+        return (fused, tree_ops, pdl)
+    return (TritonPagedAttention, fused, tree_ops, pdl)
 
 
 def _owner(name: str) -> object:
@@ -39,7 +39,7 @@ def _owner(name: str) -> object:
             if isinstance(getattr(owner, name, None), int):
                 return owner
     raise ValueError(f"no kernel knob {name!r} (knobs are integer constants of TritonPagedAttention, "
-                     "fused or tree_ops)")
+                     "fused, tree_ops or pdl)")
 
 
 def parse(spec: str) -> dict[str, int]:

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from edgespec.verifier.torch import pdl
+from edgespec.verifier.torch.pdl import gdc_enter
 from edgespec.verifier.torch.tree_ops import pack_ancestor_bits
 
 
@@ -81,7 +83,8 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
                      MAX_TILES: tl.constexpr, INTERPRET: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr,
                      D: tl.constexpr, BS: tl.constexpr,
                      NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     M_FIRST: tl.constexpr, TREE_SPLIT: tl.constexpr):
+                     M_FIRST: tl.constexpr, TREE_SPLIT: tl.constexpr, GDC: tl.constexpr):
+    gdc_enter(GDC)
     if M_FIRST:   # the query tiles of one (sequence, KV head) side by side: they read the same K/V
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(2)
@@ -156,9 +159,10 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
 @triton.jit
 def _tree_attn_merge(Acc, M, L, O, T, G, MT,
                      H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr,
-                     SPLITS_P2: tl.constexpr):
+                     SPLITS_P2: tl.constexpr, GDC: tl.constexpr):
     """One program per (sequence, KV head, query row): every split's partial result is loaded in
     one go (no loop of dependent loads: a merge is latency-bound, not bandwidth-bound)."""
+    gdc_enter(GDC)
     pid_bh = tl.program_id(0)
     row = tl.program_id(1)
     b = pid_bh // H_KV
@@ -268,6 +272,7 @@ class TritonPagedAttention:
         l_ = torch.empty_like(m)
         W = self.bits.shape[2]
         grid = (m_tiles, ns, B * Hkv) if self.M_FIRST else (B * Hkv, ns, m_tiles)
+        gdc = pdl.launch_args(q.device)
         _tree_attn_split[grid](
             q, cache, self.tables, self.ctx, self.bits, acc, m, l_, out,
             1.0 / math.sqrt(D), cache.stride(0), self.tables.shape[1], T, G, W, MT,
@@ -275,8 +280,8 @@ class TritonPagedAttention:
             if INTERPRET else 0,
             INTERPRET=INTERPRET, H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=block_m, BLOCK_N=block_n,
             M_FIRST=bool(self.M_FIRST), TREE_SPLIT=bool(self.TREE_SPLIT),
-            num_warps=self.NUM_WARPS, num_stages=stages)
+            num_warps=self.NUM_WARPS, num_stages=stages, **gdc)
         if ns > 1:
             _tree_attn_merge[(B * Hkv, MT)](acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns,
-                                           SPLITS_P2=triton.next_power_of_2(ns), num_warps=1)
+                                           SPLITS_P2=triton.next_power_of_2(ns), num_warps=1, **gdc)
         return out

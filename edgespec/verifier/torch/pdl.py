@@ -1,0 +1,66 @@
+"""Programmatic dependent launch (PDL, compute capability 9.0 and newer) for the verifier's Triton kernels.
+
+A one-token verify step is ~260 kernels of 2-6 us inside one CUDA graph; much of each is ramp-up
+(programs scheduled, first loads in flight) and tail, not bytes moved. With PDL a kernel may start
+while the one before it in the stream is still finishing: its programs become resident, issue the
+loads that depend on no earlier kernel (weights), and then wait (griddepcontrol.wait) until the
+previous kernel has finished and its writes are visible. Every kernel here waits before it reads
+anything an earlier kernel writes and before it writes anything (so no earlier kernel can read a value
+it overwrites), then lets the next kernel launch (griddepcontrol.launch_dependents): one kernel of
+lookahead, never a chain of waiting grids. Kernels that are not Triton's (cuBLAS, torch ops) launch
+as before; a wait behind one of them simply waits for it to end.
+
+Knob PDL (edgespec.verifier.torch.knobs): 0 launches everything as before; 1 launches the Triton
+kernels with PDL where the GPU supports it. The instructions are compiled in only then (GDC), so the
+CPU interpreter and older GPUs run the same kernels unchanged.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU installs without triton never launch these kernels
+    triton = None
+
+PDL = 0   # off until an H200 A/B in the step shows it pays (tools/gpu_run.sh experiments)
+
+
+@functools.lru_cache(maxsize=None)
+def _supported(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def launch_args(device: torch.device) -> dict[str, bool]:
+    """Keyword arguments for a Triton launch on `device`: GDC, the kernels' constexpr that compiles the
+    wait in, and launch_pdl, Triton's launch option, both on only with PDL set and a GPU that has it."""
+    on = bool(PDL) and device.type == "cuda" and _supported(device.index or 0)
+    return {"GDC": True, "launch_pdl": True} if on else {"GDC": False}
+
+
+def lines(elements: int, weight: torch.Tensor) -> int:
+    """How many 128-byte lines `elements` consecutive entries of `weight` span (a power of two for a
+    power-of-two count; at least 1): prefetch_l2's LINES for one row of a weight tile."""
+    return max(1, elements * weight.element_size() // 128)
+
+
+if triton is not None:
+    @triton.jit
+    def gdc_enter(GDC: tl.constexpr):
+        """Wait for the previous kernel (its writes visible), then let the next one launch. Called before
+        a kernel's first read of activations, cache or any buffer an earlier kernel writes."""
+        if GDC:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def prefetch_l2(Base, offsets, mask, GDC: tl.constexpr):
+        """Ask L2 for the 128-byte lines at Base + offsets (one offset per line; masked-off ones ask for
+        Base's): issued before gdc_enter for data no earlier kernel writes (weights), so those bytes come
+        from HBM while the previous kernel finishes and the loads after the wait hit L2."""
+        if GDC:
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [Base + tl.where(mask, offsets, 0)],
+                                      dtype=tl.int32, is_pure=False, pack=1)

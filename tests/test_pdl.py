@@ -1,0 +1,152 @@
+"""Programmatic dependent launch (pdl.py): every Triton kernel of the verifier's forward, compiled for
+an H100/H200 (sm_90) with the launch path the forward uses, carries the wait and the early launch
+with PDL on, and nothing touches memory before the wait but L2 prefetches of weights: no store (a
+kernel that still runs may read what this one overwrites) and no load. Triton's own compiler and ptxas run on this CPU machine; the
+launches are intercepted (no GPU here), so the arguments are exactly those the wrappers pass.
+
+The compile runs in a child process without TRITON_INTERPRET (tests/conftest.py sets it for the
+interpreter tests, and an interpreted kernel cannot be compiled)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from edgespec.verifier.torch import knobs, pdl  # noqa: E402
+
+# kernels whose programs ask L2 for their first weight lines before the wait
+PREFETCH = {"_add_rmsnorm_kernel", "_gemv_kernel"}
+
+
+def test_pdl_is_a_knob_and_stays_off_without_a_gpu_that_has_it():
+    import torch
+
+    assert knobs.parse("PDL=1") == {"PDL": 1}
+    with knobs.override({"PDL": 1}):
+        assert pdl.PDL == 1
+        assert pdl.launch_args(torch.device("cpu")) == {"GDC": False}
+    with knobs.override({"PDL": 0}):
+        assert pdl.launch_args(torch.device("cpu")) == {"GDC": False}
+
+
+def _probe(gdc: bool) -> dict[str, dict]:
+    out = subprocess.run([sys.executable, __file__, "1" if gdc else "0"], capture_output=True, text=True, timeout=600,
+                         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_every_forward_kernel_waits_before_touching_what_earlier_kernels_write():
+    found = _probe(True)
+    assert set(found) == {"_add_rmsnorm_kernel", "_gemv_kernel", "_linear_rows_kernel", "_sum_partials_kernel",
+                          "_rope_store_kernel", "_silu_mul_kernel", "_top2_chunks_kernel", "_top2_merge_kernel",
+                          "_tree_attn_split", "_tree_attn_merge"}
+    for name, seen in found.items():
+        assert seen["launch_pdl"], name
+        assert seen["wait"] == 1 and seen["launch_dependents"] == 1, (name, seen)
+        assert seen["stores_before_wait"] == 0 and seen["loads_before_wait"] == 0, (name, seen)
+        # the weights' lines are on their way to L2 while the previous kernel finishes
+        assert (seen["prefetches_before_wait"] > 0) == (name in PREFETCH), (name, seen)
+
+
+def test_with_pdl_off_the_kernels_compile_without_it():
+    for name, seen in _probe(False).items():
+        assert not seen["launch_pdl"] and seen["wait"] == 0 and seen["launch_dependents"] == 0, (name, seen)
+        assert seen["prefetches"] == 0, (name, seen)
+
+
+# -- the child: run the wrappers on CPU tensors, compile each launch for sm_90, read its PTX --------------
+def _compile_launches(gdc: bool) -> dict[str, dict]:
+    import inspect
+
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from edgespec.verifier.torch import fused, triton_attention
+    from edgespec.verifier.torch.tree_ops import pack_ancestor_bits
+
+    types = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float16: "*fp16", torch.int64: "*i64",
+             torch.int32: "*i32", torch.bool: "*i1"}
+    found: dict[str, dict] = {}
+
+    class Recorder:
+        """Stands in for a kernel: `kernel[grid](*args, **kw)` compiles instead of launching."""
+
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return self.compile
+
+        def compile(self, *args, **kw):
+            fn = self.kernel
+            options = {k: kw.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kw}
+            bound = inspect.signature(fn.fn).bind(*args, **kw).arguments
+            signature, constexprs = {}, {}
+            for p in fn.params:
+                value = bound[p.name]
+                if p.is_constexpr:
+                    signature[p.name] = "constexpr"
+                    constexprs[p.name] = value
+                elif isinstance(value, torch.Tensor):
+                    signature[p.name] = types[value.dtype]
+                elif isinstance(value, bool):
+                    signature[p.name] = "i1"
+                elif isinstance(value, int):
+                    signature[p.name] = "i32" if abs(value) < 2 ** 31 else "i64"
+                else:
+                    signature[p.name] = "fp32"
+            compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                      target=GPUTarget("cuda", 90, 32), options=options)
+            lines = [ln.strip() for ln in compiled.asm["ptx"].splitlines()]
+            waits = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")]
+            before = lines[:waits[0]] if waits else []
+            found[fn.__name__] = {
+                "launch_pdl": bool(options.get("launch_pdl", False)),
+                "wait": len(waits),
+                "launch_dependents": sum(ln.startswith("griddepcontrol.launch_dependents") for ln in lines),
+                "loads_before_wait": sum(ln.startswith("ld.global") for ln in before),
+                "prefetches_before_wait": sum(ln.startswith("prefetch.global.L2") for ln in before),
+                "prefetches": sum(ln.startswith("prefetch.global.L2") for ln in lines),
+                "stores_before_wait": sum(ln.startswith(("st.global", "red.", "atom.")) for ln in before),
+            }
+
+    for module in (fused, triton_attention):
+        for name, value in list(vars(module).items()):
+            if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith(("_kernel", "_split", "_merge")):
+                setattr(module, name, Recorder(value))
+    pdl.launch_args = lambda device: {"GDC": True, "launch_pdl": True} if gdc else {"GDC": False}
+
+    bf = torch.bfloat16
+    d, f, heads, kv_heads, hd = 1536, 8960, 12, 2, 128
+    x = torch.zeros(1, d, dtype=bf)
+    fused.add_rmsnorm(x, torch.zeros(5, 1, d), torch.ones(d, dtype=bf), 1e-6)              # + split-K partials
+    fused.linear_rows(x, torch.zeros(2048, d, dtype=bf), torch.zeros(2048, dtype=bf))      # one row: the GEMV
+    fused.linear_rows(torch.zeros(16, d, dtype=bf), torch.zeros(d, d, dtype=bf),           # rows + summed partials
+                      config=(32, 128, 2, 4, 4))
+    cache = torch.zeros(2, 64, kv_heads, hd, dtype=bf)
+    ang = torch.zeros(1, hd // 2)
+    fused.rope_store(torch.zeros(1, (heads + 2 * kv_heads) * hd, dtype=bf), ang.cos(), ang.sin(), cache,
+                     torch.zeros(1, dtype=torch.int64), heads, kv_heads)
+    fused.silu_mul(torch.zeros(16, 2 * f, dtype=bf))
+    fused.argmax_top2(torch.zeros(2, 151936))
+    T, bs = 16, 16
+    anc = torch.eye(T, dtype=torch.bool)[None]
+    attn = triton_attention.TritonPagedAttention.packed(torch.zeros(1, 4, dtype=torch.int64),
+                                                        torch.zeros(1, dtype=torch.int64), pack_ancestor_bits(anc),
+                                                        bs, heads // kv_heads)
+    attn.nsplit = 2
+    attn(torch.zeros(1, T, heads, hd, dtype=bf), cache)
+    return found
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_launches(sys.argv[1] == "1")))

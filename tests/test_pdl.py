@@ -27,12 +27,12 @@ PREFETCH = {"_add_rmsnorm_kernel", "_gemv_kernel"}
 def test_pdl_is_a_knob_and_stays_off_without_a_gpu_that_has_it():
     import torch
 
-    assert knobs.parse("PDL=1") == {"PDL": 1}
-    with knobs.override({"PDL": 1}):
-        assert pdl.PDL == 1
-        assert pdl.launch_args(torch.device("cpu")) == {"GDC": False}
+    assert knobs.parse("PDL=16") == {"PDL": 16}
+    with knobs.override({"PDL": 16}):
+        assert pdl.PDL == 16
+        assert pdl.launch_args(torch.device("cpu"), 1) == {"GDC": False}
     with knobs.override({"PDL": 0}):
-        assert pdl.launch_args(torch.device("cpu")) == {"GDC": False}
+        assert pdl.launch_args(torch.device("cpu"), 1) == {"GDC": False}
 
 
 def _probe(gdc: bool) -> dict[str, dict]:
@@ -123,7 +123,7 @@ def _compile_launches(gdc: bool) -> dict[str, dict]:
         for name, value in list(vars(module).items()):
             if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith(("_kernel", "_split", "_merge")):
                 setattr(module, name, Recorder(value))
-    pdl.launch_args = lambda device: {"GDC": True, "launch_pdl": True} if gdc else {"GDC": False}
+    pdl.launch_args = lambda device, rows: {"GDC": True, "launch_pdl": True} if gdc else {"GDC": False}
 
     bf = torch.bfloat16
     d, f, heads, kv_heads, hd = 1536, 8960, 12, 2, 128

@@ -262,7 +262,7 @@ def check_pdl(context: int = 300) -> dict:
     rounds = [(B, [(rng.integers(0, 151936, size=T).tolist(), random_parents(T, rng)) for _ in range(B)])
               for B, T in ((1, 1), (4, 16), (1, 64)) for _ in range(3)]
     runs = []
-    for on in (0, 1):
+    for on in (0, 1 << 20):   # PDL off, then on for every launch (the knob is a row bound)
         with kernel_knobs.override({"PDL": on}):
             engine = Engine(model, num_blocks=4 * (-(-(context + 256) // 16)) + 8, block_size=16, cuda_graphs=True)
             seqs = [engine.new_sequence() for _ in prompts]

@@ -55,9 +55,8 @@ case $phase in
   experiments)   # the defaults against each knob variant in one process; tools/pick_knobs.py names the winners
     # (the ninth session's variants, TREE_SPLIT, GEMV_ROPE, MOVE_ROWS_KERNEL=0, TARGET_PROGRAMS, lost or were
     # adopted: docs/BENCHMARKS.md; this run A/Bs programmatic dependent launch)
-    EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip hf,capacity,mixed,matmuls \
-      --checks pdl --trees 1,16,64 --attention 'triton,triton!PDL=1' \
-      --attention-configs '0x0w4s0,0x0w4s0!PDL=1' \
+    EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,hf,capacity,mixed,matmuls \
+      --checks pdl --trees 1,16,64 --attention 'triton,triton!PDL=16' \
       "${ITERS[@]}" --out "$OUT/variants.json" \
       && python3 tools/pick_knobs.py "$OUT/variants.json" --env "$OUT/knobs.env" && cp "$OUT/knobs.env" "$KNOBS_FILE"
     ;;

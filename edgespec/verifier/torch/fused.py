@@ -387,7 +387,7 @@ def argmax_top2(logits: torch.Tensor, block: int = 4096) -> tuple[torch.Tensor, 
     val = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     idx = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
     second = torch.empty_like(val)
-    gdc = pdl.launch_args(logits.device)
+    gdc = pdl.launch_args(logits.device, rows)
     _top2_chunks_kernel[(rows, chunks)](logits, val, idx, second, V, chunks, BLOCK=block, num_warps=8, **gdc)
     arg = torch.empty(rows, dtype=torch.int64, device=logits.device)
     margin = torch.empty(rows, dtype=torch.float32, device=logits.device)
@@ -403,7 +403,8 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     parts = residual.shape[0] if residual is not None and residual.ndim == 3 else 0
     _add_rmsnorm_kernel[(rows,)](x, x if residual is None else residual, weight, y, eps, n, rows,
                                  HAS_R=residual is not None, R_PARTS=parts, BLOCK=triton.next_power_of_2(n),
-                                 num_warps=8, LINES=pdl.lines(triton.next_power_of_2(n), weight), **pdl.launch_args(x.device))
+                                 num_warps=8, LINES=pdl.lines(triton.next_power_of_2(n), weight),
+                                 **pdl.launch_args(x.device, rows))
     return y, x
 
 
@@ -487,7 +488,7 @@ def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     else:
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     has_bias = bias is not None and not to_partials
-    gdc = pdl.launch_args(x.device)
+    gdc = pdl.launch_args(x.device, rows)
     if rows == 1:
         units = triton.cdiv(n, block_n) * split
         progs = min(units, _gemv_programs(x.device))
@@ -538,7 +539,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: t
     per_program = triton.next_power_of_2(heads) if rows >= ROPE_ROWS_ALL_HEADS else min(2, triton.next_power_of_2(heads))
     _rope_store_kernel[(rows, triton.cdiv(heads, per_program))](
         qkv, cos, sin, slots, cache, cache, q, cache.stride(0), H_Q=n_head, H_KV=n_head_kv, D=D, HEADS=per_program,
-        num_warps=4 if per_program * D >= 2048 else 1, **pdl.launch_args(qkv.device))
+        num_warps=4 if per_program * D >= 2048 else 1, **pdl.launch_args(qkv.device, rows))
     return q
 
 
@@ -585,7 +586,7 @@ def linear_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                            SPLIT=1, HAS_BIAS=bias is not None, SILU=False,
                            PARTIALS=False, EVEN=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, ROPE_D=D,
                            H_Q=n_head, H_KV=n_head_kv, num_warps=warps, num_stages=stages,
-                           LINES=pdl.lines(block_k, weight), **pdl.launch_args(x.device))
+                           LINES=pdl.lines(block_k, weight), **pdl.launch_args(x.device, 1))
     return q
 
 
@@ -595,5 +596,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, f, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(f, block))](gate_up, out, F_=f, BLOCK=block, num_warps=4,
-                                                    **pdl.launch_args(gate_up.device))
+                                                    **pdl.launch_args(gate_up.device, rows))
     return out

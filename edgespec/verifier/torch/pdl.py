@@ -10,9 +10,12 @@ it overwrites), then lets the next kernel launch (griddepcontrol.launch_dependen
 lookahead, never a chain of waiting grids. Kernels that are not Triton's (cuBLAS, torch ops) launch
 as before; a wait behind one of them simply waits for it to end.
 
-Knob PDL (edgespec.verifier.torch.knobs): 0 launches everything as before; 1 launches the Triton
-kernels with PDL where the GPU supports it. The instructions are compiled in only then (GDC), so the
-CPU interpreter and older GPUs run the same kernels unchanged.
+Knob PDL (edgespec.verifier.torch.knobs): the most token rows (B * T of a step) whose kernels launch
+with PDL; 0 launches everything as before. On the H200 (2026-12-02, docs/BENCHMARKS.md tenth session)
+PDL on every launch made the graph replay 11 % faster at 1 x 1, 5-6 % at 1 x 16 and 8 x 1, but 4 %
+slower at 1 x 64, 9 % at 8 x 16 and 17 % at 8 x 64: few rows are latency, which PDL hides, many are
+not. The wait is compiled in only where PDL is used (GDC), so the CPU interpreter and older GPUs run
+the same kernels unchanged.
 """
 from __future__ import annotations
 
@@ -34,10 +37,11 @@ def _supported(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def launch_args(device: torch.device) -> dict[str, bool]:
-    """Keyword arguments for a Triton launch on `device`: GDC, the kernels' constexpr that compiles the
-    wait in, and launch_pdl, Triton's launch option, both on only with PDL set and a GPU that has it."""
-    on = bool(PDL) and device.type == "cuda" and _supported(device.index or 0)
+def launch_args(device: torch.device, rows: int) -> dict[str, bool]:
+    """Keyword arguments for a Triton launch on `device` serving `rows` token rows: GDC, the kernels'
+    constexpr that compiles the wait in, and launch_pdl, Triton's launch option; both on only for
+    0 < rows <= PDL on a GPU that has PDL."""
+    on = 0 < rows <= PDL and device.type == "cuda" and _supported(device.index or 0)
     return {"GDC": True, "launch_pdl": True} if on else {"GDC": False}
 
 

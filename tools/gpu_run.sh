@@ -5,6 +5,7 @@
 #
 #   tools/gpu_run.sh experiments   # random weights: kernel-knob variants (now: programmatic dependent
 #                                  #   launch, PDL) against the defaults, checked, then timed in the steps
+#                                  #   (HF transformers beside them)
 #                                  #   and on the attention shapes; the winners (tools/pick_knobs.py) are
 #                                  #   what the later phases run with
 #   tools/gpu_run.sh verifier      # random weights: ceilings, checks, attention vs cuDNN, steps vs HF,
@@ -55,7 +56,7 @@ case $phase in
   experiments)   # the defaults against each knob variant in one process; tools/pick_knobs.py names the winners
     # (the ninth session's variants, TREE_SPLIT, GEMV_ROPE, MOVE_ROWS_KERNEL=0, TARGET_PROGRAMS, lost or were
     # adopted: docs/BENCHMARKS.md; this run A/Bs programmatic dependent launch)
-    EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,hf,capacity,mixed,matmuls \
+    EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,capacity,mixed,matmuls \
       --checks pdl --trees 1,16,64 --attention 'triton,triton!PDL=16' \
       "${ITERS[@]}" --out "$OUT/variants.json" \
       && python3 tools/pick_knobs.py "$OUT/variants.json" --env "$OUT/knobs.env" && cp "$OUT/knobs.env" "$KNOBS_FILE"

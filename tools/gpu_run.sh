@@ -5,9 +5,8 @@
 #
 #   tools/gpu_run.sh experiments   # random weights: kernel-knob variants (now: programmatic dependent
 #                                  #   launch, PDL) against the defaults, checked, then timed in the steps
-#                                  #   (HF transformers beside them)
-#                                  #   and on the attention shapes; the winners (tools/pick_knobs.py) are
-#                                  #   what the later phases run with
+#                                  #   with HF transformers beside them; the winners (tools/pick_knobs.py)
+#                                  #   are what the later phases run with
 #   tools/gpu_run.sh verifier      # random weights: ceilings, checks, attention vs cuDNN, steps vs HF,
 #                                  #   prefill riding in verify steps, a kernel profile; gpt-fast beside it
 #   tools/gpu_run.sh real          # real weights: greedy equality, capacity with recorded drafts, GPU χ²

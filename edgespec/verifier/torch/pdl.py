@@ -13,8 +13,8 @@ as before; a wait behind one of them simply waits for it to end.
 Knob PDL (edgespec.verifier.torch.knobs): the most token rows (B * T of a step) whose kernels launch
 with PDL; 0 launches everything as before. On the H200 (2026-12-02, docs/BENCHMARKS.md tenth session)
 PDL on every launch made the graph replay 11 % faster at 1 x 1, 5-6 % at 1 x 16 and 8 x 1, but 4 %
-slower at 1 x 64, 9 % at 8 x 16 and 17 % at 8 x 64: few rows are latency, which PDL hides, many are
-not. The wait is compiled in only where PDL is used (GDC), so the CPU interpreter and older GPUs run
+slower at 1 x 64, 9 % at 8 x 16 and 17 % at 8 x 64 (why was not profiled): few rows are latency,
+which PDL hides, many are not. Hence a row bound, 16 by default. The wait is compiled in only where PDL is used (GDC), so the CPU interpreter and older GPUs run
 the same kernels unchanged.
 """
 from __future__ import annotations
@@ -29,7 +29,9 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without triton never launch these kernels
     triton = None
 
-PDL = 0   # off until an H200 A/B in the step shows it pays (tools/gpu_run.sh experiments)
+PDL = 16  # H200, 2026-12-02, replay against PDL = 0 in one process (docs/BENCHMARKS.md tenth session): 1 x 1
+          # -11.6 %, 1 x 16 -5.5 %, 8 x 1 -6.2 %, 1 x 64 / 8 x 16 / 8 x 64 (no PDL there) within 1.3 %; the
+          # steps bit-identical to plain launches
 
 
 @functools.lru_cache(maxsize=None)

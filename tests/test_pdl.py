@@ -33,6 +33,7 @@ def test_pdl_is_a_knob_and_stays_off_without_a_gpu_that_has_it():
         assert pdl.launch_args(torch.device("cpu"), 1) == {"GDC": False}
     with knobs.override({"PDL": 0}):
         assert pdl.launch_args(torch.device("cpu"), 1) == {"GDC": False}
+    assert pdl.triton_has_pdl()   # the pinned Triton (constraints/ci.txt) has it: the GPU host runs the same
 
 
 def _probe(gdc: bool) -> dict[str, dict]:

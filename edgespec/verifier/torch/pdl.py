@@ -35,8 +35,21 @@ PDL = 16  # H200, 2026-12-02, replay against PDL = 0 in one process (docs/BENCHM
 
 
 @functools.lru_cache(maxsize=None)
+def triton_has_pdl() -> bool:
+    """This Triton can launch with PDL (3.3+: the gdc instructions and the launch_pdl option); with an
+    older one every kernel launches as before."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__
+
+
+@functools.lru_cache(maxsize=None)
 def _supported(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    """GPU `index` has PDL (compute capability 9.0+) and Triton can use it."""
+    return triton_has_pdl() and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def launch_args(device: torch.device, rows: int) -> dict[str, bool]:

@@ -32,6 +32,8 @@ def test_override_sets_the_kernels_constants_and_puts_them_back():
     with knobs.override({"GEMV_ROPE": 1 - before[0], "MOVE_ROWS_KERNEL": 1 - before[1]}):
         assert (fused.GEMV_ROPE, tree_ops.MOVE_ROWS_KERNEL) == (1 - before[0], 1 - before[1])
         assert knobs.current(["GEMV_ROPE"]) == {"GEMV_ROPE": 1 - before[0]}
+        every = knobs.current()
+        assert every["GEMV_ROPE"] == 1 - before[0] and {"MOVE_ROWS_KERNEL", "PDL", "TREE_SPLIT"} <= set(every)
     assert (fused.GEMV_ROPE, tree_ops.MOVE_ROWS_KERNEL) == before
     with pytest.raises(ValueError):   # nothing is set when one name is bad
         knobs.set_knobs({"GEMV_ROPE": 1, "NOPE": 1})

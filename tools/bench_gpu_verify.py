@@ -994,7 +994,8 @@ def main() -> int:
     result: dict = {"meta": {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-        "cuda": torch.version.cuda, "argv": sys.argv[1:], "kernel_knobs_from_env": kernel_knobs.FROM_ENV}}
+        "cuda": torch.version.cuda, "argv": sys.argv[1:], "kernel_knobs_from_env": kernel_knobs.FROM_ENV,
+        "kernel_knobs": kernel_knobs.current()}}
     try:
         import triton
         result["meta"]["triton"] = triton.__version__

@@ -61,8 +61,12 @@ def parse(spec: str) -> dict[str, int]:
     return values
 
 
-def current(names: Iterable[str]) -> dict[str, int]:
-    """The values in effect now of the knobs `names` (for logs and tests)."""
+def current(names: Iterable[str] | None = None) -> dict[str, int]:
+    """The values in effect now of the knobs `names` (default: every knob), for logs and benchmark
+    records: a result then says which kernel variants ran, defaults included."""
+    if names is None:
+        names = sorted({k for owner in _owners() for k, v in vars(owner).items()
+                        if k.isupper() and isinstance(v, int) and not isinstance(v, bool)})
     return {k: int(getattr(_owner(k), k)) for k in names}
 
 

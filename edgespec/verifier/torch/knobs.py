@@ -34,7 +34,7 @@ def _owners() -> tuple[object, ...]:
 
 def _owner(name: str) -> object:
     """Where knob `name` lives; a ValueError names the knob when none has it (a typo is not ignored)."""
-    if name.isupper():
+    if name.isupper() and not name.startswith("_"):
         for owner in _owners():
             if isinstance(getattr(owner, name, None), int):
                 return owner
@@ -66,7 +66,7 @@ def current(names: Iterable[str] | None = None) -> dict[str, int]:
     records: a result then says which kernel variants ran, defaults included."""
     if names is None:
         names = sorted({k for owner in _owners() for k, v in vars(owner).items()
-                        if k.isupper() and isinstance(v, int) and not isinstance(v, bool)})
+                        if k.isupper() and not k.startswith("_") and isinstance(v, int) and not isinstance(v, bool)})
     return {k: int(getattr(_owner(k), k)) for k in names}
 
 

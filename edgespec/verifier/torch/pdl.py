@@ -46,10 +46,16 @@ def triton_has_pdl() -> bool:
     return "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
+_MIN_DRIVER = 12030  # CUDA 12.3: the first driver that captures PDL launches into a CUDA graph
+
+
 @functools.lru_cache(maxsize=None)
 def _supported(index: int) -> bool:
-    """GPU `index` has PDL (compute capability 9.0+) and Triton can use it."""
-    return triton_has_pdl() and torch.cuda.get_device_capability(index)[0] >= 9
+    """GPU `index` has PDL (compute capability 9.0+), its driver captures it into graphs, and Triton can
+    launch with it."""
+    driver = getattr(torch._C, "_cuda_getDriverVersion", None)   # a CUDA build of torch has it
+    return (triton_has_pdl() and torch.cuda.get_device_capability(index)[0] >= 9
+            and (driver is None or driver() >= _MIN_DRIVER))
 
 
 def launch_args(device: torch.device, rows: int) -> dict[str, bool]:

@@ -32,12 +32,16 @@ def _owners() -> tuple[object, ...]:
     return (TritonPagedAttention, fused, tree_ops, pdl)
 
 
+def _is_knob(name: str, value: object) -> bool:
+    """A knob is a public upper-case integer constant of a kernel's home."""
+    return name.isupper() and not name.startswith("_") and isinstance(value, int) and not isinstance(value, bool)
+
+
 def _owner(name: str) -> object:
     """Where knob `name` lives; a ValueError names the knob when none has it (a typo is not ignored)."""
-    if name.isupper() and not name.startswith("_"):
-        for owner in _owners():
-            if isinstance(getattr(owner, name, None), int):
-                return owner
+    for owner in _owners():
+        if _is_knob(name, getattr(owner, name, None)):
+            return owner
     raise ValueError(f"no kernel knob {name!r} (knobs are integer constants of TritonPagedAttention, "
                      "fused, tree_ops or pdl)")
 
@@ -65,8 +69,7 @@ def current(names: Iterable[str] | None = None) -> dict[str, int]:
     """The values in effect now of the knobs `names` (default: every knob), for logs and benchmark
     records: a result then says which kernel variants ran, defaults included."""
     if names is None:
-        names = sorted({k for owner in _owners() for k, v in vars(owner).items()
-                        if k.isupper() and not k.startswith("_") and isinstance(v, int) and not isinstance(v, bool)})
+        names = sorted({k for owner in _owners() for k, v in vars(owner).items() if _is_knob(k, v)})
     return {k: int(getattr(_owner(k), k)) for k in names}
 
 

@@ -2,8 +2,8 @@
 
 A one-token verify step is ~260 kernels of 2-6 us inside one CUDA graph; much of each is ramp-up
 (programs scheduled, first loads in flight) and tail, not bytes moved. With PDL a kernel may start
-while the one before it in the stream is still finishing: its programs become resident, issue the
-loads that depend on no earlier kernel (weights), and then wait (griddepcontrol.wait) until the
+while the one before it in the stream is still finishing: its programs become resident, ask L2 for
+data no earlier kernel writes (weights, prefetch_l2), and then wait (griddepcontrol.wait) until the
 previous kernel has finished and its writes are visible. Every kernel here waits before it reads
 anything an earlier kernel writes and before it writes anything (so no earlier kernel can read a value
 it overwrites), then lets the next kernel launch (griddepcontrol.launch_dependents): one kernel of
@@ -14,8 +14,8 @@ Knob PDL (edgespec.verifier.torch.knobs): the most token rows (B * T of a step) 
 with PDL; 0 launches everything as before. On the H200 (2026-12-02, docs/BENCHMARKS.md tenth session)
 PDL on every launch made the graph replay 11 % faster at 1 x 1, 5-6 % at 1 x 16 and 8 x 1, but 4 %
 slower at 1 x 64, 9 % at 8 x 16 and 17 % at 8 x 64 (why was not profiled): few rows are latency,
-which PDL hides, many are not. Hence a row bound, 16 by default. The wait is compiled in only where PDL is used (GDC), so the CPU interpreter and older GPUs run
-the same kernels unchanged.
+which PDL hides, many are not. Hence a row bound, 16 by default. The wait is compiled in only where
+PDL is used (GDC), so the CPU interpreter and older GPUs run the same kernels unchanged.
 """
 from __future__ import annotations
 

@@ -30,17 +30,41 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _blocks(Tables, b, n_tables, j0, end, BS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """The cache block of each key j0..j0+BLOCK_N-1 (0 past `end` when MASKED)."""
+def _blocks(Tables, b, n_tables, j0, end, BS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+            OFF32: tl.constexpr):
+    """The cache block of each key j0..j0+BLOCK_N-1 (0 past `end` when MASKED); int32 with OFF32 (every
+    element offset into the layer's cache fits: the address arithmetic below stays 32-bit)."""
     j = j0 + tl.arange(0, BLOCK_N)
     if MASKED:
-        return tl.load(Tables + b * n_tables + j // BS, mask=j < end, other=0)
-    return tl.load(Tables + b * n_tables + j // BS)
+        blk = tl.load(Tables + b * n_tables + j // BS, mask=j < end, other=0)
+    else:
+        blk = tl.load(Tables + b * n_tables + j // BS)
+    if OFF32:
+        blk = blk.to(tl.int32)
+    return blk
+
+
+@triton.jit
+def _tree_bits(Bits, b, t, row_ok, rel0, rel, in_tree, T, W, BLOCK_N: tl.constexpr):
+    """[rows, keys] 0/1: key `rel` (tree node index, valid where in_tree) is query row t's ancestor or t.
+    A tile of BLOCK_N keys spans at most ceil(BLOCK_N / 32) + 1 words of a row's packed bits: each is loaded
+    once per row and picked per key (a load per (row, key) cost ~4x the instructions of the whole
+    unmasked tile: docs/BENCHMARKS.md, 2026-12-02)."""
+    w_lo = tl.maximum(rel0, 0) // 32
+    row_words = Bits + (b * T + t) * W
+    widx = tl.where(in_tree, rel >> 5, -1)   # rel // 32 where it matters (rel >= 0)
+    word = tl.load(row_words + w_lo, mask=row_ok & (w_lo < W), other=0)
+    picked = tl.where((widx == w_lo)[None, :], word[:, None], 0)
+    for k in tl.static_range(1, (BLOCK_N + 31) // 32 + 1):
+        word = tl.load(row_words + w_lo + k, mask=row_ok & (w_lo + k < W), other=0)
+        picked = tl.where((widx == w_lo + k)[None, :], word[:, None], picked)
+    return (picked >> (rel & 31)[None, :]) & 1
 
 
 @triton.jit
 def _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale, kv_stride_kv, T, W,
-          H_KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+          H_KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+          SLACK: tl.constexpr):
     """One key tile of online softmax: keys j0..j0+BLOCK_N-1, in cache blocks `blk` (_blocks). Tiles
     wholly inside the context (MASKED=False) need no mask at all: every key there is visible."""
     j = j0 + tl.arange(0, BLOCK_N)
@@ -58,23 +82,36 @@ def _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_
     if MASKED:
         rel = j - ctx
         in_tree = (rel >= 0) & (rel < T) & key_ok
-        rel = tl.where(in_tree, rel, 0)
-        word = tl.load(Bits + (b * T + t)[:, None] * W + (rel // 32)[None, :],
-                       mask=row_ok[:, None] & in_tree[None, :], other=0)
-        bit = (word >> (rel % 32)[None, :]) & 1
-        visible = ((j < ctx)[None, :] | (bit != 0) | (j == 0)[None, :]) & key_ok[None, :]
+        bit = _tree_bits(Bits, b, t, row_ok, j0 - ctx, rel, in_tree, T, W, BLOCK_N)
+        visible = (((j < ctx) | (j == 0)) & key_ok)[None, :] | (bit != 0)
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_tile = tl.max(s, 1)
+    if SLACK > 0:   # rebase on the new maxima only when some row's rose by more than SLACK (log2 units)
+        # a row's first visible key: m_i = -inf, a rise of ~1e30 (no inf - inf on rows that saw nothing yet)
+        rise = tl.max(tl.where(m_tile > m_i, m_tile - tl.maximum(m_i, -1e30), 0.0), 0)
+        if rise > SLACK:
+            m_i, l_i, acc = _rebase(m_i, l_i, acc, tl.maximum(m_i, m_tile), MASKED)
+        m_ref = m_i   # p = exp2(s - m_ref) <= 2^SLACK: acc and l share the reference, so acc / l is unchanged
+    else:
+        m_i, l_i, acc = _rebase(m_i, l_i, acc, tl.maximum(m_i, m_tile), MASKED)
+        m_ref = m_i
+    if MASKED:   # a row may have seen no key yet (its maximum is still -inf)
+        m_ref = tl.where(m_ref == float("-inf"), 0.0, m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i += tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _rebase(m_i, l_i, acc, m_new, MASKED: tl.constexpr):
+    """Online softmax: l and acc rescaled from the maxima m_i to m_new."""
     if MASKED:   # a row may see no key of this tile (its maximum stays -inf)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:        # every key visible: the maximum is finite (exp2(-inf) = 0 for a first tile's m_i)
         m_safe = m_new
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    m_i = m_new
-    return m_i, l_i, acc
+    return m_new, l_i * alpha, acc * alpha[:, None]
 
 
 @triton.jit
@@ -83,7 +120,8 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
                      MAX_TILES: tl.constexpr, INTERPRET: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr,
                      D: tl.constexpr, BS: tl.constexpr,
                      NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     M_FIRST: tl.constexpr, TREE_SPLIT: tl.constexpr, GDC: tl.constexpr):
+                     M_FIRST: tl.constexpr, TREE_SPLIT: tl.constexpr, OFF32: tl.constexpr, SLACK: tl.constexpr,
+                     GDC: tl.constexpr):
     gdc_enter(GDC)
     if M_FIRST:   # the query tiles of one (sequence, KV head) side by side: they read the same K/V
         pid_m = tl.program_id(0)
@@ -94,7 +132,7 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
     pid_s = tl.program_id(1)
     b = pid_bh // H_KV
     h = pid_bh % H_KV
-    ctx = tl.load(Ctx + b)
+    ctx = tl.load(Ctx + b).to(tl.int32)   # key indices in 32 bits: half the index instructions of int64
     n_keys = ctx + T
     if TREE_SPLIT:   # the last split takes the tree's keys alone; the others share the context's
         per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), NSPLIT - 1)
@@ -121,30 +159,30 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
         for it in range(0, MAX_TILES):
             j0 = start + it * BLOCK_N
             if j0 + BLOCK_N <= tl.minimum(end, ctx):  # a Python branch when interpreted
-                m_i, l_i, acc = _tile(q, KV, _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, False), Bits, m_i, l_i,
+                m_i, l_i, acc = _tile(q, KV, _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, False, OFF32), Bits, m_i, l_i,
                                       acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale, kv_stride_kv, T, W,
-                                      H_KV, D, BS, BLOCK_N, False)
+                                      H_KV, D, BS, BLOCK_N, False, SLACK)
             else:
-                m_i, l_i, acc = _tile(q, KV, _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, True), Bits, m_i, l_i,
+                m_i, l_i, acc = _tile(q, KV, _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, True, OFF32), Bits, m_i, l_i,
                                       acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale, kv_stride_kv, T, W,
-                                      H_KV, D, BS, BLOCK_N, True)
+                                      H_KV, D, BS, BLOCK_N, True, SLACK)
     else:
         # tiles wholly inside the context first (no masks), then the rest (context tail + tree)
         plain = tl.maximum(tl.minimum(end, ctx) - start, 0) // BLOCK_N
         # each tile's block ids are loaded one tile early: its K/V loads need not wait for them (H200,
         # 2026-12-01: 1.69 -> 1.36 ms at 8 x 32768, 0.36 -> 0.30 at 8 x 4096 against a load per tile)
-        blk = _blocks(Tables, b, n_tables, start, end, BS, BLOCK_N, True)
+        blk = _blocks(Tables, b, n_tables, start, end, BS, BLOCK_N, True, OFF32)
         for it in range(0, plain):
             j0 = start + it * BLOCK_N
-            ahead = _blocks(Tables, b, n_tables, j0 + BLOCK_N, end, BS, BLOCK_N, True)
+            ahead = _blocks(Tables, b, n_tables, j0 + BLOCK_N, end, BS, BLOCK_N, True, OFF32)
             m_i, l_i, acc = _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale,
-                                  kv_stride_kv, T, W, H_KV, D, BS, BLOCK_N, False)
+                                  kv_stride_kv, T, W, H_KV, D, BS, BLOCK_N, False, SLACK)
             blk = ahead
         for it in range(plain, tl.cdiv(end - start, BLOCK_N)):
             j0 = start + it * BLOCK_N
-            m_i, l_i, acc = _tile(q, KV, _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, True), Bits, m_i, l_i,
+            m_i, l_i, acc = _tile(q, KV, _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, True, OFF32), Bits, m_i, l_i,
                                   acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale, kv_stride_kv, T, W,
-                                  H_KV, D, BS, BLOCK_N, True)
+                                  H_KV, D, BS, BLOCK_N, True, SLACK)
     if NSPLIT == 1:   # one split: normalise and write the output here (no merge launch)
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         o_ptr = O + ((b * T + t) * H_Q + h * G + g)[:, None] * D + d[None, :]
@@ -159,28 +197,29 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
 @triton.jit
 def _tree_attn_merge(Acc, M, L, O, T, G, MT,
                      H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr,
-                     SPLITS_P2: tl.constexpr, GDC: tl.constexpr):
-    """One program per (sequence, KV head, query row): every split's partial result is loaded in
+                     SPLITS_P2: tl.constexpr, ROWS: tl.constexpr, GDC: tl.constexpr):
+    """One program per (sequence, KV head, ROWS query rows): every split's partial result is loaded in
     one go (no loop of dependent loads: a merge is latency-bound, not bandwidth-bound)."""
     gdc_enter(GDC)
     pid_bh = tl.program_id(0)
-    row = tl.program_id(1)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     b = pid_bh // H_KV
     h = pid_bh % H_KV
     sp = tl.arange(0, SPLITS_P2)
-    sp_ok = sp < NSPLIT
+    ok = (sp < NSPLIT)[:, None] & (rows < MT)[None, :]                  # [splits, rows]
     d = tl.arange(0, D)
-    base = (pid_bh * NSPLIT + sp) * MT + row
-    m = tl.load(M + base, mask=sp_ok, other=float("-inf"))
-    l_ = tl.load(L + base, mask=sp_ok, other=0.0)
-    acc = tl.load(Acc + base[:, None] * D + d[None, :], mask=sp_ok[:, None], other=0.0)
+    base = (pid_bh * NSPLIT + sp)[:, None] * MT + rows[None, :]
+    m = tl.load(M + base, mask=ok, other=float("-inf"))
+    l_ = tl.load(L + base, mask=ok, other=0.0)
+    acc = tl.load(Acc + base[:, :, None] * D + d[None, None, :], mask=ok[:, :, None], other=0.0)
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_max)
-    out = tl.sum(w[:, None] * acc, 0) / tl.maximum(tl.sum(w * l_, 0), 1e-30)
-    t = row // G
-    g = row % G
-    tl.store(O + ((b * T + t) * H_Q + h * G + g) * D + d, out.to(O.dtype.element_ty))
+    w = tl.exp2(m - m_max[None, :])
+    out = tl.sum(w[:, :, None] * acc, 0) / tl.maximum(tl.sum(w * l_, 0), 1e-30)[:, None]
+    t = rows // G
+    g = rows % G
+    tl.store(O + ((b * T + t) * H_Q + h * G + g)[:, None] * D + d[None, :], out.to(O.dtype.element_ty),
+             mask=(rows < MT)[:, None])
 
 
 class TritonPagedAttention:
@@ -199,6 +238,12 @@ class TritonPagedAttention:
                               # 32 splits took 5.95 us a layer against 7.97 for 8 (H200, 2026-12-01)
     M_FIRST = 1             # program ids put a (sequence, KV head)'s query tiles next to each other (shared K/V
                             # in L2): 0.82 -> 0.67 ms at 32 x 2048, 3-4 % at 8 x 4096 and 8 x 32768 (H200, 2026-12-01)
+    MERGE_ROWS = 8          # the merge takes up to this many query rows per program ...
+    MERGE_PROGRAMS = 512    # ... keeping at least this many programs (8 x 64 at 12/2 heads: 768 of 8 rows, not 6144)
+    RESCALE_SLACK = 8       # online softmax rescales acc and l only when a row's running maximum rose by more than
+                            # this (log2 units; the scores are then <= 2^8 relative to the stale maximum, exact in
+                            # float32 and bf16 alike): a tile's 64 x 128 accumulator multiply becomes one block-wide
+                            # compare once the maxima settle. 0: rescale on every rise, as before 2026-12-02
     TREE_SPLIT = 0          # 1: one more split that takes the tree's (masked) keys alone, so that the context's
                             # programs run unmasked tiles only and the tree tile's unpipelined loads overlap them.
                             # Off: on the H200 (2026-12-02, docs/BENCHMARKS.md ninth session) steps were up to 4.6 %
@@ -250,6 +295,14 @@ class TritonPagedAttention:
         most = max(1, self.max_keys // (self.FEW_ROWS_SPLIT_KEYS if block_m <= 16 else self.MIN_SPLIT_KEYS))
         return int(max(1, min(want, most, 32)))
 
+    def merge_rows(self, rows: int) -> int:
+        """Query rows per merge program: one (a warp) while that leaves fewer than MERGE_PROGRAMS programs,
+        else up to MERGE_ROWS (a power of two), so a tall step's merge is not thousands of one-warp programs."""
+        per = 1
+        while per < self.MERGE_ROWS and rows // (2 * per) >= self.MERGE_PROGRAMS:
+            per *= 2
+        return per
+
     def launch_config(self, B: int, rows: int, h_kv: int) -> tuple[int, int, int, int]:
         """(BLOCK_M, BLOCK_N, stages, splits) for B sequences of `rows` query rows per KV head."""
         block_m = self.tile_config(rows, 0)[0]
@@ -279,9 +332,12 @@ class TritonPagedAttention:
             MAX_TILES=triton.cdiv(triton.cdiv(self.max_keys + T, block_n), max(1, ns - self.TREE_SPLIT)) + 1
             if INTERPRET else 0,
             INTERPRET=INTERPRET, H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=block_m, BLOCK_N=block_n,
-            M_FIRST=bool(self.M_FIRST), TREE_SPLIT=bool(self.TREE_SPLIT),
+            M_FIRST=bool(self.M_FIRST), TREE_SPLIT=bool(self.TREE_SPLIT), OFF32=cache.numel() < 2 ** 31,
+            SLACK=self.RESCALE_SLACK,
             num_warps=self.NUM_WARPS, num_stages=stages, **gdc)
         if ns > 1:
-            _tree_attn_merge[(B * Hkv, MT)](acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns,
-                                           SPLITS_P2=triton.next_power_of_2(ns), num_warps=1, **gdc)
+            rows = self.merge_rows(B * Hkv * MT)
+            _tree_attn_merge[(B * Hkv, triton.cdiv(MT, rows))](acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D,
+                                                               NSPLIT=ns, SPLITS_P2=triton.next_power_of_2(ns),
+                                                               ROWS=rows, num_warps=min(4, rows), **gdc)
         return out

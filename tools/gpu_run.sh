@@ -3,10 +3,9 @@
 # A lent GPU machine runs one command for at most 10 minutes and keeps /tmp only while it stays busy,
 # so the script runs in phases, one device call each, back to back on the same machine:
 #
-#   tools/gpu_run.sh experiments   # random weights: kernel-knob variants (now: programmatic dependent
-#                                  #   launch, PDL) against the defaults, checked, then timed in the steps
-#                                  #   with HF transformers beside them; the winners (tools/pick_knobs.py)
-#                                  #   are what the later phases run with
+#   tools/gpu_run.sh experiments   # random weights: kernel-knob variants against the defaults, checked,
+#                                  #   then timed in the steps; the winners (tools/pick_knobs.py) are what
+#                                  #   the later phases run with
 #   tools/gpu_run.sh verifier      # random weights: ceilings, checks, attention vs cuDNN, steps vs HF,
 #                                  #   prefill riding in verify steps, a kernel profile; gpt-fast beside it
 #   tools/gpu_run.sh real          # real weights: greedy equality, capacity with recorded drafts, GPU χ²
@@ -53,16 +52,17 @@ staged() {  # the GGUFs a phase reads must be complete: sha256 as in ~/.cache/ed
 
 case $phase in
   experiments)   # the defaults against each knob variant in one process; tools/pick_knobs.py names the winners
-    # (the ninth session's variants, TREE_SPLIT, GEMV_ROPE, MOVE_ROWS_KERNEL=0, TARGET_PROGRAMS, lost or were
-    # adopted: docs/BENCHMARKS.md; this run A/Bs programmatic dependent launch)
-    EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,capacity,mixed,matmuls \
-      --checks pdl --trees 1,16,64 --attention 'triton,triton!PDL=16' \
+    # (earlier variants, TREE_SPLIT, GEMV_ROPE, MOVE_ROWS_KERNEL, TARGET_PROGRAMS, PDL, lost or were adopted:
+    # docs/BENCHMARKS.md; this run: the attention's lazy rescale and shorter key splits for few-row steps)
+    EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,capacity,mixed,matmuls,hf \
+      --checks rescale_slack --trees 1,16,64 --attention 'triton,triton!RESCALE_SLACK=8,triton!MIN_SPLIT_KEYS=64' \
       "${ITERS[@]}" --out "$OUT/variants.json" \
       && python3 tools/pick_knobs.py "$OUT/variants.json" --env "$OUT/knobs.env" && cp "$OUT/knobs.env" "$KNOBS_FILE"
     ;;
   verifier)
     site
     python3 tools/bench_gpu_verify.py --skip matmuls,capacity --trees 1,16,64 --attention triton \
+      --attention-configs '0x0w4s0,0x0w4s0!RESCALE_SLACK=8,64x64w4s3,128x32w4s2' \
       --profile-cells 1x1,1x16,1x64,8x64 "${ITERS[@]}" --out "$OUT/verifier.json"
     if [ -d .gptfast ]; then (cd .gptfast && OUT="$OUT" python3 step4.py); fi
     ;;

@@ -197,29 +197,28 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
 @triton.jit
 def _tree_attn_merge(Acc, M, L, O, T, G, MT,
                      H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr,
-                     SPLITS_P2: tl.constexpr, ROWS: tl.constexpr, GDC: tl.constexpr):
-    """One program per (sequence, KV head, ROWS query rows): every split's partial result is loaded in
+                     SPLITS_P2: tl.constexpr, GDC: tl.constexpr):
+    """One program per (sequence, KV head, query row): every split's partial result is loaded in
     one go (no loop of dependent loads: a merge is latency-bound, not bandwidth-bound)."""
     gdc_enter(GDC)
     pid_bh = tl.program_id(0)
-    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    row = tl.program_id(1)
     b = pid_bh // H_KV
     h = pid_bh % H_KV
     sp = tl.arange(0, SPLITS_P2)
-    ok = (sp < NSPLIT)[:, None] & (rows < MT)[None, :]                  # [splits, rows]
+    sp_ok = sp < NSPLIT
     d = tl.arange(0, D)
-    base = (pid_bh * NSPLIT + sp)[:, None] * MT + rows[None, :]
-    m = tl.load(M + base, mask=ok, other=float("-inf"))
-    l_ = tl.load(L + base, mask=ok, other=0.0)
-    acc = tl.load(Acc + base[:, :, None] * D + d[None, None, :], mask=ok[:, :, None], other=0.0)
+    base = (pid_bh * NSPLIT + sp) * MT + row
+    m = tl.load(M + base, mask=sp_ok, other=float("-inf"))
+    l_ = tl.load(L + base, mask=sp_ok, other=0.0)
+    acc = tl.load(Acc + base[:, None] * D + d[None, :], mask=sp_ok[:, None], other=0.0)
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_max[None, :])
-    out = tl.sum(w[:, :, None] * acc, 0) / tl.maximum(tl.sum(w * l_, 0), 1e-30)[:, None]
-    t = rows // G
-    g = rows % G
-    tl.store(O + ((b * T + t) * H_Q + h * G + g)[:, None] * D + d[None, :], out.to(O.dtype.element_ty),
-             mask=(rows < MT)[:, None])
+    w = tl.exp2(m - m_max)
+    out = tl.sum(w[:, None] * acc, 0) / tl.maximum(tl.sum(w * l_, 0), 1e-30)
+    t = row // G
+    g = row % G
+    tl.store(O + ((b * T + t) * H_Q + h * G + g) * D + d, out.to(O.dtype.element_ty))
 
 
 class TritonPagedAttention:
@@ -238,12 +237,11 @@ class TritonPagedAttention:
                               # 32 splits took 5.95 us a layer against 7.97 for 8 (H200, 2026-12-01)
     M_FIRST = 1             # program ids put a (sequence, KV head)'s query tiles next to each other (shared K/V
                             # in L2): 0.82 -> 0.67 ms at 32 x 2048, 3-4 % at 8 x 4096 and 8 x 32768 (H200, 2026-12-01)
-    MERGE_ROWS = 8          # the merge takes up to this many query rows per program ...
-    MERGE_PROGRAMS = 512    # ... keeping at least this many programs (8 x 64 at 12/2 heads: 768 of 8 rows, not 6144)
-    RESCALE_SLACK = 8       # online softmax rescales acc and l only when a row's running maximum rose by more than
-                            # this (log2 units; the scores are then <= 2^8 relative to the stale maximum, exact in
-                            # float32 and bf16 alike): a tile's 64 x 128 accumulator multiply becomes one block-wide
-                            # compare once the maxima settle. 0: rescale on every rise, as before 2026-12-02
+    RESCALE_SLACK = 0       # > 0: online softmax rescales acc and l only when some row's running maximum rose by more
+                            # than this (log2 units; scores stay <= 2^SLACK against the stale maximum, exact in float32
+                            # and bf16 alike), at the price of a block-wide maximum (a barrier) per tile. Off: at the
+                            # step's shapes (H200, 2026-12-02, docs/BENCHMARKS.md) 8 was 9-22 % slower; kept for long
+                            # contexts, where the maxima settle over hundreds of tiles
     TREE_SPLIT = 0          # 1: one more split that takes the tree's (masked) keys alone, so that the context's
                             # programs run unmasked tiles only and the tree tile's unpipelined loads overlap them.
                             # Off: on the H200 (2026-12-02, docs/BENCHMARKS.md ninth session) steps were up to 4.6 %
@@ -295,14 +293,6 @@ class TritonPagedAttention:
         most = max(1, self.max_keys // (self.FEW_ROWS_SPLIT_KEYS if block_m <= 16 else self.MIN_SPLIT_KEYS))
         return int(max(1, min(want, most, 32)))
 
-    def merge_rows(self, rows: int) -> int:
-        """Query rows per merge program: one (a warp) while that leaves fewer than MERGE_PROGRAMS programs,
-        else up to MERGE_ROWS (a power of two), so a tall step's merge is not thousands of one-warp programs."""
-        per = 1
-        while per < self.MERGE_ROWS and rows // (2 * per) >= self.MERGE_PROGRAMS:
-            per *= 2
-        return per
-
     def launch_config(self, B: int, rows: int, h_kv: int) -> tuple[int, int, int, int]:
         """(BLOCK_M, BLOCK_N, stages, splits) for B sequences of `rows` query rows per KV head."""
         block_m = self.tile_config(rows, 0)[0]
@@ -336,8 +326,6 @@ class TritonPagedAttention:
             SLACK=self.RESCALE_SLACK,
             num_warps=self.NUM_WARPS, num_stages=stages, **gdc)
         if ns > 1:
-            rows = self.merge_rows(B * Hkv * MT)
-            _tree_attn_merge[(B * Hkv, triton.cdiv(MT, rows))](acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D,
-                                                               NSPLIT=ns, SPLITS_P2=triton.next_power_of_2(ns),
-                                                               ROWS=rows, num_warps=min(4, rows), **gdc)
+            _tree_attn_merge[(B * Hkv, MT)](acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns,
+                                           SPLITS_P2=triton.next_power_of_2(ns), num_warps=1, **gdc)
         return out

@@ -53,9 +53,9 @@ staged() {  # the GGUFs a phase reads must be complete: sha256 as in ~/.cache/ed
 case $phase in
   experiments)   # the defaults against each knob variant in one process; tools/pick_knobs.py names the winners
     # (earlier variants, TREE_SPLIT, GEMV_ROPE, MOVE_ROWS_KERNEL, TARGET_PROGRAMS, PDL, lost or were adopted:
-    # docs/BENCHMARKS.md; this run: the attention's lazy rescale and shorter key splits for few-row steps)
+    # docs/BENCHMARKS.md; this run: the attention's lazy rescale, shorter key splits for few-row steps, fewer for tall ones)
     EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,capacity,mixed,matmuls,hf \
-      --checks rescale_slack --trees 1,16,64 --attention 'triton,triton!RESCALE_SLACK=8,triton!MIN_SPLIT_KEYS=64' \
+      --checks rescale_slack --trees 1,16,64 --attention 'triton,triton!RESCALE_SLACK=8,triton!MIN_SPLIT_KEYS=64,triton!TARGET_PROGRAMS=192' \
       "${ITERS[@]}" --out "$OUT/variants.json" \
       && python3 tools/pick_knobs.py "$OUT/variants.json" --env "$OUT/knobs.env" && cp "$OUT/knobs.env" "$KNOBS_FILE"
     ;;

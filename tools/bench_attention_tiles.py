@@ -9,7 +9,7 @@ from the default's output. CUDA only.
 
     PYTHONPATH=. python3 tools/bench_attention_tiles.py --cells 8x64,1x64,1x1 --out sweep.json
     PYTHONPATH=. python3 tools/bench_attention_tiles.py --grid quick --out sweep.json
-    PYTHONPATH=. python3 tools/bench_attention_tiles.py --grid none --variants RESCALE_SLACK=8 --out v.json
+    PYTHONPATH=. python3 tools/bench_attention_tiles.py --grid none --variants TREE_SPLIT=1,MIN_SPLIT_KEYS=64 --out v.json
 
 --variants times knob sets (knobs.py names) at the default tiles; --module takes TritonPagedAttention from
 another module (an older copy of triton_attention.py, for an A/B in one call); --once BxT runs the default

@@ -10,7 +10,7 @@ Sections (each prints a table; everything goes to --out as JSON):
 2. checks: the Triton kernel against the torch reference (bf16, relative error) and the engine's
    device decisions with CUDA graphs against accept_greedy on eager logits (tiny float32 model);
    compaction between graph steps; fused.GEMV_ROPE against the separate RoPE launch, tree_ops.move_rows
-   against index_copy_, the kernel with TREE_SPLIT=1 and with RESCALE_SLACK=8 against float64, steps with programmatic
+   against index_copy_, the kernel with TREE_SPLIT=1 against float64, steps with programmatic
    dependent launch (pdl.PDL) against plain launches, bit for bit (--checks);
 3. attention: tree of 64 nodes, 64 query / 8 KV heads, d 128, bf16, paged (block 16): the Triton
    kernel, the torch reference (gather + masked SDPA), and SDPA with no mask over contiguous K/V
@@ -165,9 +165,9 @@ def check_kernel() -> dict:
     return out
 
 
-# attention-kernel variants checked against float64 like the default (--checks tree_split,rescale_slack): the tree's
-# keys in a split of their own; the online softmax's stale maximum
-KERNEL_VARIANTS = {"TREE_SPLIT": 1, "RESCALE_SLACK": 8}
+# attention-kernel variants checked against float64 like the default (--checks tree_split): the tree's keys in a
+# split of their own
+KERNEL_VARIANTS = {"TREE_SPLIT": 1}
 
 
 def check_engine(attention: str) -> dict:
@@ -960,7 +960,7 @@ def main() -> int:
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--skip", default="",
                    help="comma-separated sections to skip: ceilings,checks,attention,matmuls,step,mixed,hf,capacity")
-    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope,move_rows,tree_split,rescale_slack,pdl",
+    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope,move_rows,tree_split,pdl",
                    help="which checks the checks section runs")
     p.add_argument("--small-rows-matmul", default="",
                    help="step cells with these Engine small_rows_matmul values, comma-separated: off (0), on (64) "

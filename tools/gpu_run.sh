@@ -53,16 +53,17 @@ staged() {  # the GGUFs a phase reads must be complete: sha256 as in ~/.cache/ed
 case $phase in
   experiments)   # the defaults against each knob variant in one process; tools/pick_knobs.py names the winners
     # (earlier variants, TREE_SPLIT, GEMV_ROPE, MOVE_ROWS_KERNEL, TARGET_PROGRAMS, PDL, lost or were adopted:
-    # docs/BENCHMARKS.md; this run: the attention's lazy rescale, shorter key splits for few-row steps, fewer for tall ones)
+    # docs/BENCHMARKS.md; the eleventh session's: the attention's lazy rescale, since removed, shorter key splits for
+    # few-row steps, fewer for tall ones; put the next candidates here)
     EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,capacity,mixed,matmuls,hf \
-      --checks rescale_slack --trees 1,16,64 --attention 'triton,triton!RESCALE_SLACK=8,triton!MIN_SPLIT_KEYS=64,triton!TARGET_PROGRAMS=192' \
+      --checks kernel --trees 1,16,64 --attention 'triton,triton!MIN_SPLIT_KEYS=64,triton!TARGET_PROGRAMS=192' \
       "${ITERS[@]}" --out "$OUT/variants.json" \
       && python3 tools/pick_knobs.py "$OUT/variants.json" --env "$OUT/knobs.env" && cp "$OUT/knobs.env" "$KNOBS_FILE"
     ;;
   verifier)
     site
     python3 tools/bench_gpu_verify.py --skip matmuls,capacity --trees 1,16,64 --attention triton \
-      --attention-configs '0x0w4s0,0x0w4s0!RESCALE_SLACK=8,64x64w4s3,128x32w4s2' \
+      --attention-configs '0x0w4s0,64x64w4s3,128x32w4s2' \
       --profile-cells 1x1,1x16,1x64,8x64 "${ITERS[@]}" --out "$OUT/verifier.json"
     if [ -d .gptfast ]; then (cd .gptfast && OUT="$OUT" python3 step4.py); fi
     ;;

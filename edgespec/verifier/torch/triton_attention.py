@@ -63,8 +63,7 @@ def _tree_bits(Bits, b, t, row_ok, rel0, rel, in_tree, T, W, BLOCK_N: tl.constex
 
 @triton.jit
 def _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale, kv_stride_kv, T, W,
-          H_KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-          SLACK: tl.constexpr):
+          H_KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """One key tile of online softmax: keys j0..j0+BLOCK_N-1, in cache blocks `blk` (_blocks). Tiles
     wholly inside the context (MASKED=False) need no mask at all: every key there is visible."""
     j = j0 + tl.arange(0, BLOCK_N)
@@ -85,33 +84,16 @@ def _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_
         bit = _tree_bits(Bits, b, t, row_ok, j0 - ctx, rel, in_tree, T, W, BLOCK_N)
         visible = (((j < ctx) | (j == 0)) & key_ok)[None, :] | (bit != 0)
         s = tl.where(visible, s, float("-inf"))
-    m_tile = tl.max(s, 1)
-    if SLACK > 0:   # rebase on the new maxima only when some row's rose by more than SLACK (log2 units)
-        # a row's first visible key: m_i = -inf, a rise of ~1e30 (no inf - inf on rows that saw nothing yet)
-        rise = tl.max(tl.where(m_tile > m_i, m_tile - tl.maximum(m_i, -1e30), 0.0), 0)
-        if rise > SLACK:
-            m_i, l_i, acc = _rebase(m_i, l_i, acc, tl.maximum(m_i, m_tile), MASKED)
-        m_ref = m_i   # p = exp2(s - m_ref) <= 2^SLACK: acc and l share the reference, so acc / l is unchanged
-    else:
-        m_i, l_i, acc = _rebase(m_i, l_i, acc, tl.maximum(m_i, m_tile), MASKED)
-        m_ref = m_i
-    if MASKED:   # a row may have seen no key yet (its maximum is still -inf)
-        m_ref = tl.where(m_ref == float("-inf"), 0.0, m_ref)
-    p = tl.exp2(s - m_ref[:, None])
-    l_i += tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _rebase(m_i, l_i, acc, m_new, MASKED: tl.constexpr):
-    """Online softmax: l and acc rescaled from the maxima m_i to m_new."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
     if MASKED:   # a row may see no key of this tile (its maximum stays -inf)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:        # every key visible: the maximum is finite (exp2(-inf) = 0 for a first tile's m_i)
         m_safe = m_new
     alpha = tl.exp2(m_i - m_safe)
-    return m_new, l_i * alpha, acc * alpha[:, None]
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -120,8 +102,7 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
                      MAX_TILES: tl.constexpr, INTERPRET: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr,
                      D: tl.constexpr, BS: tl.constexpr,
                      NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     M_FIRST: tl.constexpr, TREE_SPLIT: tl.constexpr, OFF32: tl.constexpr, SLACK: tl.constexpr,
-                     GDC: tl.constexpr):
+                     M_FIRST: tl.constexpr, TREE_SPLIT: tl.constexpr, OFF32: tl.constexpr, GDC: tl.constexpr):
     gdc_enter(GDC)
     if M_FIRST:   # the query tiles of one (sequence, KV head) side by side: they read the same K/V
         pid_m = tl.program_id(0)
@@ -159,13 +140,13 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
         for it in range(0, MAX_TILES):
             j0 = start + it * BLOCK_N
             if j0 + BLOCK_N <= tl.minimum(end, ctx):  # a Python branch when interpreted
-                m_i, l_i, acc = _tile(q, KV, _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, False, OFF32), Bits, m_i, l_i,
-                                      acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale, kv_stride_kv, T, W,
-                                      H_KV, D, BS, BLOCK_N, False, SLACK)
+                blk = _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, False, OFF32)
+                m_i, l_i, acc = _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale,
+                                      kv_stride_kv, T, W, H_KV, D, BS, BLOCK_N, False)
             else:
-                m_i, l_i, acc = _tile(q, KV, _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, True, OFF32), Bits, m_i, l_i,
-                                      acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale, kv_stride_kv, T, W,
-                                      H_KV, D, BS, BLOCK_N, True, SLACK)
+                blk = _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, True, OFF32)
+                m_i, l_i, acc = _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale,
+                                      kv_stride_kv, T, W, H_KV, D, BS, BLOCK_N, True)
     else:
         # tiles wholly inside the context first (no masks), then the rest (context tail + tree)
         plain = tl.maximum(tl.minimum(end, ctx) - start, 0) // BLOCK_N
@@ -176,13 +157,13 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
             j0 = start + it * BLOCK_N
             ahead = _blocks(Tables, b, n_tables, j0 + BLOCK_N, end, BS, BLOCK_N, True, OFF32)
             m_i, l_i, acc = _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale,
-                                  kv_stride_kv, T, W, H_KV, D, BS, BLOCK_N, False, SLACK)
+                                  kv_stride_kv, T, W, H_KV, D, BS, BLOCK_N, False)
             blk = ahead
         for it in range(plain, tl.cdiv(end - start, BLOCK_N)):
             j0 = start + it * BLOCK_N
-            m_i, l_i, acc = _tile(q, KV, _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, True, OFF32), Bits, m_i, l_i,
-                                  acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale, kv_stride_kv, T, W,
-                                  H_KV, D, BS, BLOCK_N, True, SLACK)
+            blk = _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, True, OFF32)
+            m_i, l_i, acc = _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale,
+                                  kv_stride_kv, T, W, H_KV, D, BS, BLOCK_N, True)
     if NSPLIT == 1:   # one split: normalise and write the output here (no merge launch)
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         o_ptr = O + ((b * T + t) * H_Q + h * G + g)[:, None] * D + d[None, :]
@@ -237,11 +218,6 @@ class TritonPagedAttention:
                               # 32 splits took 5.95 us a layer against 7.97 for 8 (H200, 2026-12-01)
     M_FIRST = 1             # program ids put a (sequence, KV head)'s query tiles next to each other (shared K/V
                             # in L2): 0.82 -> 0.67 ms at 32 x 2048, 3-4 % at 8 x 4096 and 8 x 32768 (H200, 2026-12-01)
-    RESCALE_SLACK = 0       # > 0: online softmax rescales acc and l only when some row's running maximum rose by more
-                            # than this (log2 units; scores stay <= 2^SLACK against the stale maximum, exact in float32
-                            # and bf16 alike), at the price of a block-wide maximum (a barrier) per tile. Off: at the
-                            # step's shapes (H200, 2026-12-02, docs/BENCHMARKS.md) 8 was 9-22 % slower; kept for long
-                            # contexts, where the maxima settle over hundreds of tiles
     TREE_SPLIT = 0          # 1: one more split that takes the tree's (masked) keys alone, so that the context's
                             # programs run unmasked tiles only and the tree tile's unpipelined loads overlap them.
                             # Off: on the H200 (2026-12-02, docs/BENCHMARKS.md ninth session) steps were up to 4.6 %
@@ -323,7 +299,6 @@ class TritonPagedAttention:
             if INTERPRET else 0,
             INTERPRET=INTERPRET, H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=block_m, BLOCK_N=block_n,
             M_FIRST=bool(self.M_FIRST), TREE_SPLIT=bool(self.TREE_SPLIT), OFF32=cache.numel() < 2 ** 31,
-            SLACK=self.RESCALE_SLACK,
             num_warps=self.NUM_WARPS, num_stages=stages, **gdc)
         if ns > 1:
             _tree_attn_merge[(B * Hkv, MT)](acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns,

@@ -27,6 +27,14 @@ def test_parse_accepts_commas_and_colons_and_rejects_unknown_names_and_values():
         knobs.parse("triton=1")   # not a constant's name
 
 
+def test_home_names_where_a_knob_lives():
+    """tools/pick_knobs.py judges a variant of the attention's knobs alone only where its launch changed."""
+    assert knobs.home("TARGET_PROGRAMS") == "TritonPagedAttention"
+    assert (knobs.home("PDL"), knobs.home("GEMV_ROPE"), knobs.home("MOVE_ROWS_KERNEL")) == ("pdl", "fused", "tree_ops")
+    with pytest.raises(ValueError, match="no kernel knob"):
+        knobs.home("NO_SUCH_KNOB")
+
+
 def test_override_sets_the_kernels_constants_and_puts_them_back():
     before = (fused.GEMV_ROPE, tree_ops.MOVE_ROWS_KERNEL)
     with knobs.override({"GEMV_ROPE": 1 - before[0], "MOVE_ROWS_KERNEL": 1 - before[1]}):

@@ -615,6 +615,7 @@ def _steps(engine: Engine, args, config: ModelConfig, batches, trees, attention:
             t0 = time.perf_counter()
             step()
             row["first_step_s"] = round(time.perf_counter() - t0, 2)   # includes the graph capture
+            row["attention_launch"] = attention_launch(engine, B, T, args.context)
             row["step_ms"] = wall_ms(step, args.warmup, args.iters)
             if engine.cuda_graphs:
                 row["replay_ms"] = cuda_ms(replayed_graph(engine, B, T).replay, args.warmup, args.iters)
@@ -626,6 +627,20 @@ def _steps(engine: Engine, args, config: ModelConfig, batches, trees, attention:
             log("[step]", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
         for s in seqs:
             s.close()
+
+
+def attention_launch(engine: Engine, B: int, T: int, context: int) -> list[int] | None:
+    """The tree-attention kernel's (BLOCK_M, BLOCK_N, stages, splits) in a step of B trees of T nodes at
+    `context`, with the knobs in effect (None for another attention): tools/pick_knobs.py does not count a
+    cell that an attention knob launches as the default does (its difference there is the run's noise)."""
+    cls = engine.attention_cls
+    if cls.__name__ != "TritonPagedAttention":
+        return None
+    c = engine.model.config
+    bs = engine.cache.block_size
+    att = cls.__new__(cls)   # launch_config needs only the table width and a split count
+    att.max_keys, att.nsplit = engine._table_blocks(-(-(context + T) // bs)) * bs, None
+    return list(att.launch_config(bucket(B), bucket(T) * c.group, c.n_head_kv))
 
 
 def bench_mixed(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dict]:

@@ -46,6 +46,12 @@ def _owner(name: str) -> object:
                      "fused, tree_ops or pdl)")
 
 
+def home(name: str) -> str:
+    """The kernel home of knob `name`: 'TritonPagedAttention', 'fused', 'tree_ops' or 'pdl' (a tool can then
+    tell a knob that only changes the attention's launch from one that changes other kernels)."""
+    return _owner(name).__name__.rsplit(".", 1)[-1]
+
+
 def parse(spec: str) -> dict[str, int]:
     """'KNOB=V,KNOB=V' (':' separates too) as {knob: int value}; '' -> {}. Unknown knobs and
     non-integer values are ValueErrors."""

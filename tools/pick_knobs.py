@@ -48,10 +48,10 @@ def check_passed(result: dict, knob: str, value: int) -> tuple[bool, str]:
     if knob == "MOVE_ROWS_KERNEL":
         c = result.get("move_rows_check") or {}
         return bool(c.get("equal")), f"move_rows_check {c}"
-    if knob == "TREE_SPLIT":   # the attention kernel with the variant, against float64
-        c = result.get(f"{knob.lower()}_check_rel_err") or {}
+    if knob == "TREE_SPLIT":
+        c = result.get("tree_split_check_rel_err") or {}
         ok = bool(c) and all(isinstance(v, float) and v < 1e-2 for v in c.values())
-        return ok, f"{knob.lower()}_check_rel_err {c}"
+        return ok, f"tree_split_check_rel_err {c}"
     if knob == "PDL":
         c = result.get("pdl_check") or {}
         return bool(c.get("same_decisions")) and bool(c.get("bit_identical_logits")), f"pdl_check {c}"

@@ -401,10 +401,10 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     rows, n = x.shape
     y = torch.empty_like(x)
     parts = residual.shape[0] if residual is not None and residual.ndim == 3 else 0
+    block = triton.next_power_of_2(n)
     _add_rmsnorm_kernel[(rows,)](x, x if residual is None else residual, weight, y, eps, n, rows,
-                                 HAS_R=residual is not None, R_PARTS=parts, BLOCK=triton.next_power_of_2(n),
-                                 num_warps=8, LINES=pdl.lines(triton.next_power_of_2(n), weight),
-                                 **pdl.launch_args(x.device, rows))
+                                 HAS_R=residual is not None, R_PARTS=parts, BLOCK=block, num_warps=8,
+                                 LINES=pdl.lines(block, weight), **pdl.launch_args(x.device, rows))
     return y, x
 
 

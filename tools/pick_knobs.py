@@ -9,7 +9,9 @@ Input: the JSON of a run whose step section timed "triton" (the defaults) and va
   TREE_SPLIT: relative error < 1e-2 against float64, as the default kernel's check; PDL: the same
   decisions and bit-identical logits as plain launches), and
 - its graph replay is at least MIN_GAIN faster than the default's in some cell and at most
-  MAX_LOSS slower in every cell (replay, not the host clock: the host adds noise the GPU does not).
+  MAX_LOSS slower in every cell (replay, not the host clock: the host adds noise the GPU does not;
+  `replay_rr_ms` where the run has it: every variant's graph of a cell replayed round-robin, so that
+  drift over the run weighs on all alike).
   A variant of the attention's knobs alone is judged on the cells where it launches the attention
   differently (the run records each cell's tiles and splits): where the launch is the default's, the
   step is the same graph, and a difference there is the run's noise, not the variant's loss. The
@@ -68,8 +70,9 @@ def pick(result: dict, min_gain: float = MIN_GAIN, max_loss: float = MAX_LOSS) -
     cells: dict[str, dict[tuple[int, int], float]] = {}
     launches: dict[str, dict[tuple[int, int], list | None]] = {}
     for row in result.get("step", []):
-        if "replay_ms" in row:
-            cells.setdefault(row["attention"], {})[(row["batch"], row["tree"])] = row["replay_ms"]
+        if "replay_ms" in row:   # the round-robin replays where the run has them (fewer drift effects)
+            cells.setdefault(row["attention"], {})[(row["batch"], row["tree"])] = row.get("replay_rr_ms",
+                                                                                       row["replay_ms"])
             launches.setdefault(row["attention"], {})[(row["batch"], row["tree"])] = row.get("attention_launch")
     base = cells.get("triton")
     if not base:

@@ -77,20 +77,20 @@ def _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_
     else:
         k = tl.load(k_ptr)
         v = tl.load(k_ptr + kv_stride_kv)
-    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = tl.dot(q, tl.trans(k))   # unscaled: the scale rides in the exp2's FMA below (one instruction, not two)
     if MASKED:
         rel = j - ctx
         in_tree = (rel >= 0) & (rel < T) & key_ok
         bit = _tree_bits(Bits, b, t, row_ok, j0 - ctx, rel, in_tree, T, W, BLOCK_N)
         visible = (((j < ctx) | (j == 0)) & key_ok)[None, :] | (bit != 0)
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)   # the row maxima in the scaled (log2) units
     if MASKED:   # a row may see no key of this tile (its maximum stays -inf)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:        # every key visible: the maximum is finite (exp2(-inf) = 0 for a first tile's m_i)
         m_safe = m_new
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
+    p = tl.exp2(s * qk_scale - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return m_new, l_i, acc
@@ -210,6 +210,7 @@ class TritonPagedAttention:
     BLOCK_N = 0
     NUM_WARPS = 4
     NUM_STAGES = 0   # 0: chosen with the key tile (tile_config)
+    MAXNREG = 0      # >0: cap the split kernel's registers per thread (ptxas .maxnreg), for more programs per SM
     LONG_SPLIT_KEYS = 1024  # a split of at least this many keys gets 64-key tiles and 3 stages
     TARGET_PROGRAMS = 384   # key splits aim at about this many programs (~3 waves of the H200's 132 SMs) ...
     MIN_SPLIT_KEYS = 128    # ... but give each split at least this many keys (fewer partials to write and merge)
@@ -299,7 +300,7 @@ class TritonPagedAttention:
             if INTERPRET else 0,
             INTERPRET=INTERPRET, H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=block_m, BLOCK_N=block_n,
             M_FIRST=bool(self.M_FIRST), TREE_SPLIT=bool(self.TREE_SPLIT), OFF32=cache.numel() < 2 ** 31,
-            num_warps=self.NUM_WARPS, num_stages=stages, **gdc)
+            num_warps=self.NUM_WARPS, num_stages=stages, **gdc, **({"maxnreg": self.MAXNREG} if self.MAXNREG else {}))
         if ns > 1:
             _tree_attn_merge[(B * Hkv, MT)](acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns,
                                            SPLITS_P2=triton.next_power_of_2(ns), num_warps=1, **gdc)

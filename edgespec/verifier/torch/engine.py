@@ -111,6 +111,7 @@ class _Static:
     host_ints: torch.Tensor
     host_floats: torch.Tensor
     host: dict[str, np.ndarray] = field(default_factory=dict)     # numpy views of host_ints/host_floats
+    host_out: torch.Tensor | None = None   # pinned landing buffer for the decisions (CUDA)
     out: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     graph: object | None = None
@@ -355,7 +356,7 @@ class Engine:
             mode = SAMPLE
         st = self._buffers(B, T, NB)
         self._pack(st, steps, B, T, NB, bs)
-        out = self._run(st, (B, T, NB, mode), mode).cpu().numpy()
+        out = self._read_back(st, self._run(st, (B, T, NB, mode), mode))
         self._last = st
         self.stats["steps"] += 1
         decisions = []
@@ -369,6 +370,18 @@ class Engine:
             s.seq.length += 1 + len(d.path)
             s.seq.trim()
         return decisions
+
+    @staticmethod
+    def _read_back(st: _Static, out: torch.Tensor) -> np.ndarray:
+        """The step's decisions on the host: on CUDA through a pinned buffer of the bucket (one async copy
+        and a stream sync, no pageable staging); valid until the bucket's next step."""
+        if not out.is_cuda:
+            return out.numpy()
+        if st.host_out is None or st.host_out.shape != out.shape:
+            st.host_out = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        st.host_out.copy_(out, non_blocking=True)
+        torch.cuda.current_stream(out.device).synchronize()
+        return st.host_out.numpy()
 
     def _table_blocks(self, blocks: int) -> int:
         """The block-table width of a step whose longest sequence holds `blocks` blocks (its bucket)."""

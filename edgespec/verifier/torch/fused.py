@@ -396,9 +396,6 @@ def argmax_top2(logits: torch.Tensor, block: int = 4096) -> tuple[torch.Tensor, 
     return arg, margin
 
 
-NORM_WARPS = 8   # add_rmsnorm: warps per row's program
-
-
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     rows, n = x.shape
@@ -406,7 +403,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     parts = residual.shape[0] if residual is not None and residual.ndim == 3 else 0
     block = triton.next_power_of_2(n)
     _add_rmsnorm_kernel[(rows,)](x, x if residual is None else residual, weight, y, eps, n, rows,
-                                 HAS_R=residual is not None, R_PARTS=parts, BLOCK=block, num_warps=NORM_WARPS,
+                                 HAS_R=residual is not None, R_PARTS=parts, BLOCK=block, num_warps=8,
                                  LINES=pdl.lines(block, weight), **pdl.launch_args(x.device, rows))
     return y, x
 
@@ -593,14 +590,11 @@ def linear_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return q
 
 
-SILU_BLOCK = 1024   # silu_mul: elements of a row per program (4 warps at 1024; more warps for longer blocks)
-
-
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows, two_f = gate_up.shape
     f = two_f // 2
     out = torch.empty(rows, f, dtype=gate_up.dtype, device=gate_up.device)
-    block = SILU_BLOCK
-    _silu_mul_kernel[(rows, triton.cdiv(f, block))](gate_up, out, F_=f, BLOCK=block, num_warps=max(4, block // 256),
+    block = 1024
+    _silu_mul_kernel[(rows, triton.cdiv(f, block))](gate_up, out, F_=f, BLOCK=block, num_warps=4,
                                                     **pdl.launch_args(gate_up.device, rows))
     return out

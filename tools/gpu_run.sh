@@ -54,18 +54,19 @@ staged() {  # the GGUFs a phase reads must be complete: sha256 as in ~/.cache/ed
 case $phase in
   experiments)   # the defaults against each knob variant in one process; tools/pick_knobs.py names the winners
     # (earlier variants, TREE_SPLIT, GEMV_ROPE, MOVE_ROWS_KERNEL, TARGET_PROGRAMS, PDL, lost or were adopted:
-    # docs/BENCHMARKS.md; the twelfth session's, timed round-robin: TARGET_PROGRAMS=192, SILU_BLOCK=4096 and
-    # NORM_WARPS=4, none a gain beyond that run's 0.4 % noise. Now: the attention's registers capped at 128, four
-    # programs per SM instead of three)
+    # docs/BENCHMARKS.md; the twelfth session's, timed round-robin: TARGET_PROGRAMS=192, SILU_BLOCK=4096,
+    # NORM_WARPS=4 and the attention's registers capped at 128, none a gain beyond that run's 0.4 % noise. No
+    # candidate is pending: the phase times the defaults, without the verifier phase's profiler in the process;
+    # add a variant as 'triton,triton!KNOB=V')
     EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,capacity,mixed,matmuls,hf \
-      --checks kernel --trees 1,16,64 --attention 'triton,triton!MAXNREG=128' \
+      --checks kernel --trees 1,16,64 --attention 'triton' \
       "${ITERS[@]}" --out "$OUT/variants.json" \
       && python3 tools/pick_knobs.py "$OUT/variants.json" --env "$OUT/knobs.env" && cp "$OUT/knobs.env" "$KNOBS_FILE"
     ;;
   verifier)
     site
     python3 tools/bench_gpu_verify.py --skip matmuls,capacity --trees 1,16,64 --attention triton \
-      --attention-configs '0x0w4s0,64x64w4s3,128x32w4s2,128x64w8s2!MAXNREG=128' \
+      --attention-configs '0x0w4s0,64x64w4s3,128x32w4s2' \
       --profile-cells 1x1,1x16,1x64,8x64 "${ITERS[@]}" --out "$OUT/verifier.json"
     if [ -d .gptfast ]; then (cd .gptfast && OUT="$OUT" python3 step4.py); fi
     ;;

@@ -210,7 +210,6 @@ class TritonPagedAttention:
     BLOCK_N = 0
     NUM_WARPS = 4
     NUM_STAGES = 0   # 0: chosen with the key tile (tile_config)
-    MAXNREG = 0      # >0: cap the split kernel's registers per thread (ptxas .maxnreg), for more programs per SM
     LONG_SPLIT_KEYS = 1024  # a split of at least this many keys gets 64-key tiles and 3 stages
     TARGET_PROGRAMS = 384   # key splits aim at about this many programs (~3 waves of the H200's 132 SMs) ...
     MIN_SPLIT_KEYS = 128    # ... but give each split at least this many keys (fewer partials to write and merge)
@@ -300,7 +299,7 @@ class TritonPagedAttention:
             if INTERPRET else 0,
             INTERPRET=INTERPRET, H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=block_m, BLOCK_N=block_n,
             M_FIRST=bool(self.M_FIRST), TREE_SPLIT=bool(self.TREE_SPLIT), OFF32=cache.numel() < 2 ** 31,
-            num_warps=self.NUM_WARPS, num_stages=stages, **gdc, **({"maxnreg": self.MAXNREG} if self.MAXNREG else {}))
+            num_warps=self.NUM_WARPS, num_stages=stages, **gdc)
         if ns > 1:
             _tree_attn_merge[(B * Hkv, MT)](acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns,
                                            SPLITS_P2=triton.next_power_of_2(ns), num_warps=1, **gdc)

@@ -23,9 +23,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_verify import captured, interleaved_ms, random_parents  # noqa: E402
-
-from edgespec.verifier.torch.tree_attention import ancestor_mask  # noqa: E402
+from bench_attention_tiles import inputs  # noqa: E402
+from bench_gpu_verify import captured, interleaved_ms  # noqa: E402
 
 STEP_CELLS = [(1, 1), (1, 16), (1, 64), (8, 16), (8, 64)]
 BASELINES = [(8, 4096), (32, 2048), (8, 32768)]
@@ -48,16 +47,8 @@ def main() -> int:
     rng = np.random.default_rng(0)
     rows = []
     for label, hq, hkv, B, ctx_len, T, calls, width in shapes():
-        bs, D = 16, 128
-        nb = -(-(ctx_len + T) // bs)
-        cache = torch.randn(2, (B * nb + 1) * bs, hkv, D, device="cuda", dtype=torch.bfloat16)
-        tables = torch.zeros(B, width, dtype=torch.int64)
-        tables[:, :nb] = torch.from_numpy(rng.permutation(np.arange(1, B * nb + 1)).reshape(B, nb))
-        tables = tables.cuda()
-        ctx = torch.full((B,), ctx_len, device="cuda")
-        anc = torch.stack([torch.from_numpy(ancestor_mask(random_parents(T, rng))) for _ in range(B)]).cuda()
-        q = torch.randn(B, T, hq, D, device="cuda", dtype=torch.bfloat16)
-        atts = {name: cls(tables, ctx, anc, bs, hq // hkv) for name, cls in kernels.items()}
+        q, cache, tables, ctx, anc = inputs(B, T, ctx_len, (hq, hkv), rng, width)
+        atts = {name: cls(tables, ctx, anc, 16, hq // hkv) for name, cls in kernels.items()}
         diff = float((atts["this"](q, cache).float() - atts["against"](q, cache).float()).abs().max())
         graphs = {name: captured([lambda a=a, c=cache: a(q, c)] * calls) for name, a in atts.items()}
         ms = interleaved_ms([g.replay for g in graphs.values()], 5, args.rounds)

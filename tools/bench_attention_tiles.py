@@ -84,13 +84,18 @@ def class_knobs(cls: type, values: dict[str, int]) -> Iterator[None]:
             setattr(cls, k, v)
 
 
-def inputs(B: int, T: int, context: int, heads: tuple[int, int], rng: np.random.Generator) -> tuple:
-    """(q, cache, block tables, context lengths, ancestor masks) of B random trees of T nodes."""
+def inputs(B: int, T: int, context: int, heads: tuple[int, int], rng: np.random.Generator,
+           width: int | None = None) -> tuple:
+    """(q, cache, block tables, context lengths, ancestor masks) of B random trees of T nodes. `width`: block
+    tables that wide, the blocks past the sequence's own the null block (as the engine pads them); default:
+    four real blocks past the tree."""
     hq, hkv = heads
     D, bs = 128, 16
-    blocks = -(-(context + T) // bs) + 4
+    blocks = -(-(context + T) // bs) + (0 if width else 4)
     cache = torch.randn(2, (B * blocks + 1) * bs, hkv, D, device="cuda", dtype=torch.bfloat16)
-    tables = torch.from_numpy(rng.permutation(np.arange(1, B * blocks + 1)).reshape(B, blocks)).cuda()
+    tables = torch.zeros(B, max(width or 0, blocks), dtype=torch.int64)
+    tables[:, :blocks] = torch.from_numpy(rng.permutation(np.arange(1, B * blocks + 1)).reshape(B, blocks))
+    tables = tables.cuda()
     ctx = torch.full((B,), context, device="cuda")
     anc = torch.stack([torch.from_numpy(ancestor_mask(random_parents(T, rng))) for _ in range(B)]).cuda()
     q = torch.randn(B, T, hq, D, device="cuda", dtype=torch.bfloat16)

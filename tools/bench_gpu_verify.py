@@ -96,21 +96,6 @@ def random_tree(root: int, n: int, vocab_size: int, rng: np.random.Generator) ->
     return TokenTree(tokens=np.concatenate(([root], drafted)), parents=parents)
 
 
-def cuda_ms(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def interleaved_ms(fns: list, warmup: int, iters: int) -> list[float]:
     """cuda_ms of each of `fns` (graph replays, say), their runs interleaved round-robin (the first to
     run rotates each round): the GPU's drift over a process (clocks, heat, the host) then weighs on
@@ -131,6 +116,11 @@ def interleaved_ms(fns: list, warmup: int, iters: int) -> list[float]:
             b.synchronize()
             times[j].append(a.elapsed_time(b))
     return [statistics.median(t) for t in times]
+
+
+def cuda_ms(fn, warmup: int, iters: int) -> float:
+    """Median device time of fn() (CUDA events around each call, a sync between calls)."""
+    return interleaved_ms([fn], warmup, iters)[0]
 
 
 def captured(calls: list):  # noqa: ANN201 - a torch.cuda.CUDAGraph

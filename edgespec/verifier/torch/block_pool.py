@@ -93,7 +93,7 @@ class BlockPool:
 
     def largest_free_run(self) -> int:
         """The longest run of consecutive free block ids (vectorised: cheap enough to check every step)."""
-        edges = np.diff(np.concatenate(([0], np.frombuffer(self._is_free, dtype=np.int8), [0])))
+        edges = np.diff(np.concatenate(([0], self._free_map().view(np.int8), [0])))
         starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
         return int((ends - starts).max()) if starts.size else 0
 

@@ -336,7 +336,7 @@ class Engine:
             if s.host_rule is None:
                 if not decided_on_device(p):
                     raise ValueError("a step under a host-decided rule needs its host_rule")
-                if p.temperature != 0:   # sampled on the device
+                if not p.greedy:   # sampled on the device
                     mode = SAMPLE_TRUNCATED if mode == SAMPLE_TRUNCATED or p.top_k > 0 or p.top_p < 1.0 else SAMPLE
             if s.prefill and (s.host_rule is not None or not p.greedy):
                 raise ValueError("a prefill chunk is greedy and decided on the device")

@@ -158,7 +158,9 @@ def test_linear_rows_equals_f_linear(rows):
                       (48, 96, None)] + (                # the default config
                      [(40, 100, (8, 64, 2, 4, 2)),      # the one-row GEMV: 8 columns a unit, ragged K slices
                       (256, 96, (8, 32, 3, 4, 2))]      # 96 units on 16 interpreter programs: 6 rounds each
-                     if rows == 1 else []):
+                     if rows == 1 else
+                     [(40, 100, (20, 32, 1, 4, 2)),     # 20 columns a program: a 16-row tile and a 16-row tail
+                      (48, 96, (40, 32, 2, 4, 2))]):    # 32 + a tail of 8 (16 with 8 masked), split K
         x = torch.randn(rows, k, generator=g)
         w = torch.randn(n, k, generator=g) / k ** 0.5
         b = torch.randn(n, generator=g)
@@ -184,6 +186,45 @@ def test_linear_rows_equals_f_linear(rows):
     assert torch.allclose(y, y_ref, atol=1e-5) and torch.allclose(x_new, x_ref, atol=1e-5)
     y, x_new = fused.add_rmsnorm_torch(x.clone(), p, nw, 1e-6)
     assert torch.allclose(y, y_ref, atol=1e-5) and torch.allclose(x_new, x_ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 64])
+def test_linear_silu_equals_matmul_then_silu_mul(rows):
+    """linear_silu (gate and up rows of the same output columns in one program, SiLU*up the epilogue)
+    against silu_mul(F.linear(...)), float32: whole and ragged shares, a share that fills one tile, the
+    balanced default; a split K is refused (SiLU needs whole sums)."""
+    from edgespec.verifier.torch import fused
+
+    g = torch.Generator().manual_seed(40 + rows)
+    for f, k, cfg in [(40, 100, (12, 32, 1, 4, 2)),   # 24 weight rows a program: 16 + a tail of 8
+                      (40, 96, (3, 32, 1, 4, 2)),     # 6 weight rows in a 16-row tile
+                      (48, 96, (8, 16, 1, 4, 2)),     # exactly one 16-row tile
+                      (40, 100, None)]:               # balanced_config
+        x = torch.randn(rows, k, generator=g)
+        w = torch.randn(2 * f, k, generator=g) / k ** 0.5
+        got = fused.linear_silu(x, w, config=cfg)
+        assert got.shape == (rows, f)
+        assert torch.allclose(got, fused.linear_silu_torch(x, w), atol=1e-5)
+    with pytest.raises(ValueError, match="splits K"):
+        fused.linear_silu(x, w, config=(8, 16, 2, 4, 2))
+
+
+def test_balanced_config_gives_every_sm_an_equal_share():
+    """balanced_config on the H200's 132 SMs: the programs cover every output column once, at most one
+    program per SM, and no program holds more than one column more than an equal share."""
+    from edgespec.verifier.torch import fused
+
+    for rows, n_out, k, pair, can_split in [(64, 8960, 1536, True, False), (16, 8960, 1536, True, False),
+                                            (64, 1536, 8960, False, True), (16, 2048, 1536, False, False),
+                                            (64, 1536, 1536, False, True)]:
+        cols, block_k, split, _, _ = fused.balanced_config(rows, n_out, k, sms=132, pair=pair, can_split=can_split)
+        programs = math.ceil(n_out / cols) * split
+        assert programs <= 132 and math.ceil(n_out / cols) * cols >= n_out
+        assert cols <= math.ceil(n_out / (132 // split)), (rows, n_out, k, cols, split)
+        assert split == 1 or can_split
+        assert math.ceil(k / block_k) >= split
+    assert fused.balanced_config(64, 1536, 8960, sms=132, can_split=True)[2] > 1   # w2's 1536 columns need K split
+    assert fused._row_tiles(136) == (128, 16) and fused._row_tiles(128) == (128, 0) and fused._row_tiles(6) == (16, 0)
 
 
 def test_one_row_gemv_in_bfloat16():
@@ -212,10 +253,12 @@ def test_one_row_gemv_in_bfloat16():
         assert torch.allclose(p.sum(0), F.linear(silu, w.float()), rtol=1e-5, atol=1e-5)
 
 
-def test_fused_forward_small_rows_matmul_equals_cublas_path(monkeypatch):
+@pytest.mark.parametrize("gate_up", ["linear_silu", "cublas"])
+def test_fused_forward_small_rows_matmul_equals_cublas_path(monkeypatch, gate_up):
     """The fused forward with linear_rows for the block matmuls equals the one with F.linear (tiny
     float32 model, one tree step over a prefilled context, torch attention). The tiny shapes get
-    table entries (untuned shapes keep F.linear), one of them split for wo and w2's partials."""
+    table entries (untuned shapes keep F.linear), one of them split for wo and w2's partials; gate/up
+    runs as linear_silu, or stays F.linear with w2 applying SiLU*up as it loads."""
     from edgespec.verifier.torch import fused
     from edgespec.verifier.torch.engine import Engine
     from edgespec.verifier.torch.model import ModelConfig, TransformerLM
@@ -224,8 +267,15 @@ def test_fused_forward_small_rows_matmul_equals_cublas_path(monkeypatch):
     qkv = (c.n_head + 2 * c.n_head_kv) * c.head_dim
     table = {(qkv, c.d_model): [(64, (16, 32, 1, 4, 2))], (c.d_model, c.n_head * c.head_dim): [(64, (16, 16, 2, 4, 2))],
              (2 * c.d_ff, c.d_model): [(64, (32, 32, 1, 4, 2))], (c.d_model, c.d_ff): [(64, (16, 32, 3, 4, 2))]}
+    if gate_up == "cublas":
+        table[(2 * c.d_ff, c.d_model)] = [(64, None)]
     monkeypatch.setattr(fused, "LINEAR_ROWS_TABLE", table)
-    assert all(fused.linear_rows_wins(5, n, k) for n, k in table) and not fused.linear_rows_wins(5, 2048, 1536)
+    assert fused.linear_rows_wins(5, 2 * c.d_ff, c.d_model) == (gate_up == "linear_silu")
+    assert not fused.linear_rows_wins(5, 2048, 1536)
+    calls = []
+    for name in ("linear_silu", "silu_mul"):
+        real = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
     model = TransformerLM.random(c, dtype=torch.float32, seed=5)
     rng = np.random.default_rng(6)
     prefix = rng.integers(0, 512, size=11).tolist()
@@ -240,6 +290,9 @@ def test_fused_forward_small_rows_matmul_equals_cublas_path(monkeypatch):
         out.append(engine.logits(seq, tokens, parents))
     model.fused_ops, model.small_rows_matmul = False, 0
     assert torch.allclose(out[0], out[1], atol=1e-4), float((out[0] - out[1]).abs().max())
+    # cuBLAS path: silu_mul every layer; the other: linear_silu (or w2's SiLU*up load), no silu_mul
+    assert calls.count("silu_mul") == 2 * c.n_layer   # prefill chunk and tree step of small=0
+    assert calls.count("linear_silu") == (2 * c.n_layer if gate_up == "linear_silu" else 0)
 
 
 def test_engine_with_triton_kernels_equals_plain_torch_path():

@@ -434,11 +434,11 @@ def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict,
 # -- 6. small-rows matmuls --------------------------------------------------------------------
 MATMULS = {"wqkv": (2048, 1536, True), "wo": (1536, 1536, False), "w13": (17920, 1536, False),
            "w2": (1536, 8960, False)}
-MATMUL_CANDIDATES = {   # (BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages)
-    "wqkv": [(16, 256, 1, 4, 4), (16, 256, 1, 4, 6), (16, 128, 1, 4, 8), (32, 256, 1, 4, 6)],
-    "wo": [(32, 128, 2, 4, 4), (32, 128, 2, 4, 6), (16, 128, 2, 4, 6), (32, 256, 2, 4, 3)],
-    "w13": [(32, 128, 1, 4, 4), (32, 128, 1, 4, 6), (32, 256, 1, 4, 6), (64, 128, 1, 4, 6)],
-    "w2": [(64, 128, 7, 4, 4), (64, 128, 7, 4, 6), (64, 128, 14, 4, 5), (128, 128, 14, 8, 5), (64, 256, 7, 4, 5)],
+MATMUL_CANDIDATES = {   # 2+ rows (and w13 at any rows): (COLS per program, BLOCK_K, SPLIT, num_warps, num_stages)
+    "wqkv": [(32, 64, 1, 4, 4), (16, 128, 1, 4, 4), (64, 64, 1, 4, 4)],
+    "wo": [(24, 64, 2, 4, 4), (48, 64, 4, 4, 4), (16, 128, 1, 4, 4)],
+    "w13": [(68, 64, 1, 8, 3), (68, 128, 1, 8, 3), (64, 64, 1, 8, 4), (34, 64, 1, 4, 4)],   # linear_silu: COLS pairs
+    "w2": [(128, 64, 11, 8, 4), (70, 64, 6, 8, 4), (128, 128, 11, 8, 3), (48, 64, 4, 4, 4)],
 }
 GEMV_CANDIDATES = {   # one row only: fused._gemv_kernel (persistent, GEMV_PROGRAMS_PER_SM programs per SM)
     "wqkv": [(8, 512, 1, 8, 3), (8, 512, 1, 4, 3), (8, 256, 1, 4, 3)],
@@ -467,8 +467,10 @@ def graph_us(calls: list, iters: int) -> float:
 def bench_matmuls(args, ceil: dict | None) -> dict:
     """cuBLAS vs fused.linear_rows per block matrix and row count (module docstring, section 6).
     The Triton form is what _forward_fused runs: wqkv with its bias; wo and w2 leaving float32
-    split-K partials for add_rmsnorm (no reduce launch); w2 taking gate/up and applying SiLU*up as it
-    loads (its cuBLAS column is F.linear alone; cublas_silu_us adds the silu_mul launch it needs)."""
+    split-K partials for add_rmsnorm (no reduce launch); w13 as linear_silu, SiLU*up its epilogue (its
+    cuBLAS column is F.linear alone; cublas_silu_us adds the silu_mul launch it needs), so w2 takes
+    SiLU*up as input. Rows > 1 (and w13): the balanced default (COLS 0 in the record) and
+    MATMUL_CANDIDATES; one row: the GEMV's table config and GEMV_CANDIDATES."""
     import torch.nn.functional as F
 
     from edgespec.verifier.torch import fused
@@ -483,38 +485,50 @@ def bench_matmuls(args, ceil: dict | None) -> dict:
         copies = max(2, min(64, -(-256 * 2 ** 20 // wbytes)))
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) / math.sqrt(k) for _ in range(copies)]
         b = torch.randn(n, device=dev, dtype=torch.bfloat16, generator=g) * 0.02 if has_bias else None
-        silu = name == "w2"
+        pair = name == "w13"
+        n_out = n // 2 if pair else n
         for rows in rows_list:
-            x = torch.randn(rows, 2 * k if silu else k, device=dev, dtype=torch.bfloat16, generator=g)
-            xin = fused.silu_mul(x) if silu else x
-            nbytes = wbytes + rows * k * 2 + rows * n * 2 + (n * 2 if has_bias else 0)
+            x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=g)
+            nbytes = wbytes + rows * k * 2 + rows * n_out * 2 + (n * 2 if has_bias else 0)
             row = {"matrix": name, "N": n, "K": k, "rows": rows, "weight_copies": copies,
                    "floor_us": nbytes / bw * 1e6}
-            row["cublas_us"] = graph_us([lambda w=w: F.linear(xin, w, b) for w in ws], args.iters)
-            if silu:
-                row["cublas_silu_us"] = graph_us([lambda w=w: F.linear(fused.silu_mul(x), w, b) for w in ws], args.iters)
-            ref = F.linear(xin.float(), ws[0].float(), None if b is None else b.float())
-            row["cublas_max_abs_err"] = float((F.linear(xin, ws[0], b).float() - ref).abs().max())
+            row["cublas_us"] = graph_us([lambda w=w: F.linear(x, w, b) for w in ws], args.iters)
+            if pair:
+                row["cublas_silu_us"] = graph_us([lambda w=w: fused.silu_mul(F.linear(x, w)) for w in ws], args.iters)
+                ref = fused.silu_mul_torch(F.linear(x.float(), ws[0].float()))
+                row["cublas_max_abs_err"] = float((fused.silu_mul(F.linear(x, ws[0])).float() - ref).abs().max())
+            else:
+                ref = F.linear(x.float(), ws[0].float(), None if b is None else b.float())
+                row["cublas_max_abs_err"] = float((F.linear(x, ws[0], b).float() - ref).abs().max())
             if rows <= fused.LINEAR_ROWS_MAX:
-                cfgs = [None] + (MATMUL_CANDIDATES[name] + (GEMV_CANDIDATES[name] if rows == 1 else [])
+                gemv = rows == 1 and not pair
+                cfgs = [None] + ((GEMV_CANDIDATES[name] if gemv else MATMUL_CANDIDATES[name])
                                  if args.matmul_sweep else [])
                 for cfg in cfgs:
                     try:
-                        if name in ("wo", "w2"):
-                            calls = [lambda w=w: fused.linear_rows_partials(x, w, silu=silu, config=cfg) for w in ws]
+                        if pair:
+                            calls = [lambda w=w: fused.linear_silu(x, w, config=cfg) for w in ws]
+                            y = fused.linear_silu(x, ws[0], config=cfg)
+                        elif name in ("wo", "w2"):
+                            calls = [lambda w=w: fused.linear_rows_partials(x, w, config=cfg) for w in ws]
+                            y = fused.linear_rows_partials(x, ws[0], config=cfg).sum(0)
                         else:
                             calls = [lambda w=w: fused.linear_rows(x, w, b, config=cfg) for w in ws]
+                            y = fused.linear_rows(x, ws[0], b, config=cfg)
                         us = graph_us(calls, args.iters)
-                        y = fused.linear_rows(x, ws[0], b, silu=silu, config=cfg)
                         err = float((y.float() - ref).abs().max())
                     except Exception as exc:  # noqa: BLE001 - a config that does not compile: report, go on
                         out["sweep"].append({"matrix": name, "rows": rows, "config": cfg,
                                              "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
                         continue
                     if cfg is None:
-                        row["config"] = fused.linear_rows_config(rows, n, k)
+                        row["config"] = fused.linear_rows_config(rows, n, k, pair=pair, can_split=name in ("wo", "w2"),
+                                                                 device=x.device)
                         row["triton_us"], row["triton_max_abs_err"] = us, err
                         row["triton_GBps"] = nbytes / (us / 1e6) / 1e9
+                        if not fused._table_entry(rows, n, k)[1] and not gemv:   # the balanced default, as a candidate
+                            out["sweep"].append({"matrix": name, "rows": rows, "config": row["config"], "us": us,
+                                                 "max_abs_err": err})
                     else:
                         out["sweep"].append({"matrix": name, "rows": rows, "config": cfg, "us": us, "max_abs_err": err})
             row["cublas_GBps"] = nbytes / (row["cublas_us"] / 1e6) / 1e9

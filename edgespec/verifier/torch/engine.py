@@ -174,7 +174,7 @@ def sample_choice(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 
 class Engine:
-    SMALL_ROWS_MATMUL = 16  # default small_rows_matmul on CUDA: fused.LINEAR_ROWS_TABLE's picks up to 16 rows
+    SMALL_ROWS_MATMUL = 64  # default small_rows_matmul on CUDA: fused.LINEAR_ROWS_TABLE decides per matrix and rows
     # With CUDA graphs, block tables are padded to at least this many blocks (1024 tokens at block size
     # 16): shorter contexts share one graph per (B, T) instead of capturing one per table size as the
     # context grows. The kernels read the real lengths, so the padding costs only empty key splits.

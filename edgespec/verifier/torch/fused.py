@@ -77,6 +77,11 @@ def linear_rows_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return F.linear(silu_mul_torch(x) if silu else x, weight, bias)
 
 
+def linear_silu_torch(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu_mul(x @ gate_up.T): gate/up rounded to x's dtype, then SiLU*up (linear_silu's reference)."""
+    return silu_mul_torch(F.linear(x, gate_up))
+
+
 def linear_rows_partials_torch(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = False) -> torch.Tensor:
     """float32 partial sums [S, rows, N] of x @ weight.T (S = 1 here) whose sum over S is the product
     before rounding; add_rmsnorm takes them as its residual."""
@@ -174,53 +179,94 @@ if triton is not None:
         tl.store(O + row * F_ + cols, y.to(O.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def _rows_of(p, R_LO: tl.constexpr, R: tl.constexpr, COLS: tl.constexpr, N, PAIR: tl.constexpr):
+        """Tile rows R_LO..R_LO+R-1 of program p of _linear_rows_kernel: the weight row each loads, the
+        output column it feeds, and whether it exists. PAIR: rows alternate gate (weight row c) and up
+        (weight row c + N) of output column c, so each SiLU*up pair sits in one program, side by side."""
+        local = R_LO + tl.arange(0, R)
+        if PAIR:
+            col = p * COLS + local // 2
+            ok = (local < 2 * COLS) & (col < N)
+            return col + (local % 2) * N, col, ok
+        col = p * COLS + local
+        return col, col, (local < COLS) & (col < N)
+
+    @triton.jit
+    def _rows_store(acc, col, ok, O, Bias, split, r, r_ok, rows, N, HAS_BIAS: tl.constexpr, PAIR: tl.constexpr,
+                    PARTIALS: tl.constexpr, R: tl.constexpr, ROWS_P: tl.constexpr):
+        """_linear_rows_kernel's epilogue for one tile [R, ROWS_P] (output columns x token rows)."""
+        if PAIR:   # gate and up rounded as a matmul writes them, then silu(gate) * up as silu_mul writes it
+            gate, up = tl.split(tl.permute(tl.reshape(acc, [R // 2, 2, ROWS_P]), (0, 2, 1)))
+            dt = O.dtype.element_ty
+            y = _silu_times(gate.to(dt), up.to(dt))
+            c, _ = tl.split(tl.reshape(col, [R // 2, 2]))
+            c_ok, _ = tl.split(tl.reshape(ok.to(tl.int32), [R // 2, 2]))
+            tl.store(O + r[None, :] * N + c[:, None], y.to(dt), mask=(c_ok != 0)[:, None] & r_ok[None, :])
+        elif PARTIALS:
+            tl.store(O + (split * rows + r[None, :]) * N + col[:, None], acc, mask=ok[:, None] & r_ok[None, :])
+        else:
+            if HAS_BIAS:
+                acc += tl.load(Bias + col, mask=ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(O + r[None, :] * N + col[:, None], acc.to(O.dtype.element_ty), mask=ok[:, None] & r_ok[None, :])
+
+    @triton.jit
     def _linear_rows_kernel(X, W, Bias, O, rows, N, K, k_split, x_stride, K_TILES: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PARTIALS: tl.constexpr,
-                            EVEN: tl.constexpr, IEEE: tl.constexpr, ROWS_P: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr):
-        """out^T [BLOCK_N, rows] = W[BLOCK_N, k-slice] @ x^T[k-slice, rows] for output columns
-        pid0 * BLOCK_N.. and the K slice [pid1 * k_split, +k_split). Each weight element is read
-        once by one program; x (rows padded to ROWS_P >= 16 for tl.dot) is small and comes from L2.
-        (One row takes _gemv_kernel instead.) SILU: X is gate/up [rows, 2K]; the input is
-        silu(gate) * up, rounded to W's dtype (what silu_mul writes). PARTIALS: write float32
-        [SPLIT, rows, N]; else add the bias, round, write O [rows, N]. EVEN: N % BLOCK_N == 0 and
-        every slice is whole BLOCK_K tiles inside K."""
+                            COLS: tl.constexpr, R_MAIN: tl.constexpr, R_TAIL: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PAIR: tl.constexpr, PARTIALS: tl.constexpr,
+                            EVEN_K: tl.constexpr, IEEE: tl.constexpr, ROWS_P: tl.constexpr,
+                            BLOCK_K: tl.constexpr, GDC: tl.constexpr):
+        """out^T [cols, rows] = W[cols, k-slice] @ x^T[k-slice, rows] for program pid0's COLS output
+        columns (any count: the GPU's SMs get an equal share, not whole power-of-two blocks, whose last
+        wave left a third of them idle) and the K slice [pid1 * k_split, +k_split). The share is a
+        power-of-two tile of R_MAIN rows plus one of R_TAIL (0: none) for the rest, both fed by the same
+        x tile. Each weight element is read once by one program; x (rows padded to ROWS_P >= 16 for
+        tl.dot) comes from L2. SILU: X is gate/up [rows, 2K] and the input is silu(gate) * up (what
+        silu_mul writes). PAIR: W is gate/up stacked [2N, K] and the output silu(gate) * up [rows, N]
+        (no gate/up tensor, no silu_mul launch). PARTIALS: float32 [SPLIT, rows, N]; else the bias is
+        added and O [rows, N] written. EVEN_K: every slice is whole BLOCK_K tiles inside K."""
         gdc_enter(GDC)
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        p = tl.program_id(0)
         split = tl.program_id(1)
         r = tl.arange(0, ROWS_P)
         kk = tl.arange(0, BLOCK_K)
-        n_ok = n < N
         r_ok = r < rows
         k_lo = split * k_split
-        w_ptr = W + n[:, None] * K + kk[None, :]
+        w_main, col_main, ok_main = _rows_of(p, 0, R_MAIN, COLS, N, PAIR)
+        w_main = W + w_main[:, None] * K + kk[None, :]
+        acc_main = tl.zeros((R_MAIN, ROWS_P), tl.float32)
+        if R_TAIL > 0:
+            w_tail, col_tail, ok_tail = _rows_of(p, R_MAIN, R_TAIL, COLS, N, PAIR)
+            w_tail = W + w_tail[:, None] * K + kk[None, :]
+            acc_tail = tl.zeros((R_TAIL, ROWS_P), tl.float32)
         x_ptr = X + r[None, :] * x_stride + kk[:, None]
-        acc = tl.zeros((BLOCK_N, ROWS_P), tl.float32)
         for it in range(0, K_TILES):  # k_split // BLOCK_K
             k0 = k_lo + it * BLOCK_K
-            if EVEN:
-                w = tl.load(w_ptr + k0)
-                xm = r_ok[None, :]
+            if EVEN_K:
+                k_ok = kk >= 0
             else:
-                k_ok = (k0 + kk < K) & (k0 + kk < k_lo + k_split)
-                w = tl.load(w_ptr + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                xm = r_ok[None, :] & k_ok[:, None]
+                k_ok = (k0 + kk < K) & (it * BLOCK_K + kk < k_split)
+            xm = r_ok[None, :] & k_ok[:, None]
             if SILU:
                 xt = _silu_times(tl.load(x_ptr + k0, mask=xm, other=0.0),
-                                 tl.load(x_ptr + K + k0, mask=xm, other=0.0)).to(w.dtype)
+                                 tl.load(x_ptr + K + k0, mask=xm, other=0.0)).to(W.dtype.element_ty)
             else:
                 xt = tl.load(x_ptr + k0, mask=xm, other=0.0)
+            w = tl.load(w_main + k0, mask=ok_main[:, None] & k_ok[None, :], other=0.0)
             if IEEE:
-                acc = tl.dot(w, xt, acc, input_precision="ieee")
+                acc_main = tl.dot(w, xt, acc_main, input_precision="ieee")
             else:
-                acc = tl.dot(w, xt, acc)
-        ok = n_ok[:, None] & r_ok[None, :]
-        if PARTIALS:
-            tl.store(O + (split * rows + r[None, :]) * N + n[:, None], acc, mask=ok)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            tl.store(O + r[None, :] * N + n[:, None], acc.to(O.dtype.element_ty), mask=ok)
+                acc_main = tl.dot(w, xt, acc_main)
+            if R_TAIL > 0:
+                w = tl.load(w_tail + k0, mask=ok_tail[:, None] & k_ok[None, :], other=0.0)
+                if IEEE:
+                    acc_tail = tl.dot(w, xt, acc_tail, input_precision="ieee")
+                else:
+                    acc_tail = tl.dot(w, xt, acc_tail)
+        _rows_store(acc_main, col_main, ok_main, O, Bias, split, r, r_ok, rows, N, HAS_BIAS, PAIR, PARTIALS, R_MAIN,
+                    ROWS_P)
+        if R_TAIL > 0:
+            _rows_store(acc_tail, col_tail, ok_tail, O, Bias, split, r, r_ok, rows, N, HAS_BIAS, PAIR, PARTIALS,
+                        R_TAIL, ROWS_P)
 
     @triton.jit
     def _gemv_unit(N, K, k_split, units, it, pid, progs, ITERS: tl.constexpr, K_TILES: tl.constexpr,
@@ -410,24 +456,26 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 
 # -- the small-rows matmul ------------------------------------------------------------------------
 LINEAR_ROWS_MAX = 64
-# (N, K) -> [(max rows, (BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages) or None), ...]: the first row
-# bound that holds; None: cuBLAS is faster there, the forward keeps F.linear. The four Qwen2.5-1.5B
-# matrices: wqkv [2048 x 1536] (+ bias), wo [1536 x 1536], w13 [17920 x 1536], w2 [1536 x 8960]
-# (w2 taking gate/up, SiLU*up applied as it loads). SPLIT only where N / BLOCK_N alone leaves SMs
-# idle (132 on an H200). One row runs the persistent GEMV (_gemv_kernel), picked on the H200 on
-# 2026-12-01 (docs/BENCHMARKS.md, seventh session; 28 weight copies per CUDA graph), us per call in
-# one call: wqkv 4.85 vs cuBLAS 5.60, wo 3.95 vs 4.73 for the earlier one-program-per-tile GEMV, w2 +
-# SiLU*up 10.73 vs 10.98 (and 5 partials for the next norm to sum, not 14), w13 17.9 vs cuBLAS 17.2
-# (stays on cuBLAS); loading the next tile ahead then took wqkv 4.70 -> 4.27, wo 3.93 -> 3.45, w2
-# 10.18 -> 10.03 in another call.
-# 16 rows (tools/bench_gpu_verify.py --matmul-sweep, 2026-12-01 17:44 UTC): wo 4.24 vs 5.31; at 64
-# rows none wins.
+# (N, K) -> [(max rows, config or None), ...]: the first row bound that holds; None: cuBLAS is faster
+# there, the forward keeps F.linear. A config is (BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages) for
+# one row (the persistent GEMV, _gemv_kernel) and (COLS, BLOCK_K, SPLIT, num_warps, num_stages) for
+# more (_linear_rows_kernel: COLS output columns per program). The four Qwen2.5-1.5B matrices: wqkv
+# [2048 x 1536] (+ bias), wo [1536 x 1536], w13 [17920 x 1536] (gate/up: run as linear_silu, its
+# SiLU*up the epilogue), w2 [1536 x 8960] (taking gate/up and applying SiLU*up as it loads where w13
+# is cuBLAS's). The GEMV configs were picked on the H200 on 2026-12-01 (docs/BENCHMARKS.md, seventh
+# session; 28 weight copies per CUDA graph), us per call in one call: wqkv 4.85 vs cuBLAS 5.60, wo 3.95
+# vs 4.73 for the earlier one-program-per-tile GEMV, w2 + SiLU*up 10.73 vs 10.98, w13 17.9 vs cuBLAS
+# 17.2 (stays on cuBLAS); loading the next tile ahead then took wqkv 4.70 -> 4.27, wo 3.93 -> 3.45, w2
+# 10.18 -> 10.03 in another call. 16 rows (tools/bench_gpu_verify.py --matmul-sweep, 2026-12-01 17:44
+# UTC, power-of-two column blocks): wo 4.24 vs 5.31; at 64 rows none won.
 LINEAR_ROWS_TABLE: dict[tuple[int, int], list[tuple[int, tuple[int, int, int, int, int] | None]]] = {
     (2048, 1536): [(1, (8, 512, 1, 8, 3)), (64, None)],
     (1536, 1536): [(1, (8, 256, 2, 4, 3)), (16, (32, 128, 2, 4, 4)), (64, None)],
     (17920, 1536): [(64, None)],
     (1536, 8960): [(1, (16, 256, 5, 4, 3)), (64, None)],
 }
+SMALL_ROWS_AUTO = 0   # 1: where LINEAR_ROWS_TABLE says cuBLAS (None), run linear_rows with balanced_config instead
+                      # (and the gate/up matrix as linear_silu): for benchmarks that A/B the balanced shares
 
 
 def _table_entry(rows: int, n: int, k: int) -> tuple[bool, tuple[int, int, int, int, int] | None]:
@@ -438,18 +486,67 @@ def _table_entry(rows: int, n: int, k: int) -> tuple[bool, tuple[int, int, int, 
 
 
 def linear_rows_wins(rows: int, n: int, k: int) -> bool:
-    """Whether the forward should use linear_rows for an [n x k] weight at `rows` rows: only where
-    LINEAR_ROWS_TABLE has a measured config (untuned shapes keep cuBLAS)."""
-    return rows <= LINEAR_ROWS_MAX and _table_entry(rows, n, k)[1] is not None
+    """Whether the forward should use linear_rows (linear_silu for the gate/up matrix) for an [n x k]
+    weight at `rows` rows: where LINEAR_ROWS_TABLE has a measured config (untuned shapes keep cuBLAS),
+    or, with SMALL_ROWS_AUTO, wherever the table has the shape at all."""
+    if rows > LINEAR_ROWS_MAX:
+        return False
+    listed, cfg = _table_entry(rows, n, k)
+    return cfg is not None or (listed and bool(SMALL_ROWS_AUTO))
 
 
-def linear_rows_config(rows: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages) for an [n x k] weight at `rows` rows: the
-    table's entry, else about two programs per SM of a 132-SM GPU from 16- or 32-column blocks, K
-    split into whole tiles as far as needed."""
+def _sms(device: torch.device | None) -> int:
+    """Streaming multiprocessors of `device` (4 stand in for the CPU interpreter)."""
+    if device is None or device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def balanced_config(rows: int, n_out: int, k: int, *, sms: int, pair: bool = False, can_split: bool = True,
+                    block_k: int = 64) -> tuple[int, int, int, int, int]:
+    """(COLS, BLOCK_K, SPLIT, num_warps, num_stages) for _linear_rows_kernel: about one program per SM,
+    each with an equal share of the weight (COLS output columns of one K slice; any count, not a power
+    of two). SPLIT > 1 (float32 partials for the reader to sum) only where can_split; it is picked by a
+    byte count per program: its weight bytes, plus 0.3x its x bytes (they come from L2, the weights from
+    HBM), plus the partials' write and read spread over the SMs."""
+    tiles = triton.cdiv(k, block_k)
+    best = None
+    for split in range(1, (min(16, tiles) if can_split else 1) + 1):
+        cols = triton.cdiv(n_out, max(1, sms // split))
+        if (2 if pair else 1) * cols > 256:   # the tile's registers: more programs instead (several waves)
+            cols = 128 if pair else 256
+        slice_tiles = triton.cdiv(tiles, split)
+        parts = triton.cdiv(tiles, slice_tiles)
+        w_bytes = (2 if pair else 1) * cols * slice_tiles * block_k * 2
+        x_bytes = slice_tiles * block_k * rows * 2
+        part_bytes = 2 * parts * rows * n_out * 4 / sms if parts > 1 else 0
+        cost = w_bytes + 0.3 * x_bytes + part_bytes
+        if best is None or cost < best[0]:
+            best = (cost, cols, parts)
+    _, cols, split = best
+    w_rows = (2 if pair else 1) * cols
+    return cols, block_k, split, 8 if w_rows > 64 else 4, 4
+
+
+def _row_tiles(w_rows: int) -> tuple[int, int]:
+    """(R_MAIN, R_TAIL): power-of-two tiles (>= 16 rows: tl.dot's least) covering a program's w_rows
+    weight rows: the largest power of two that fits, and one more for the rest (0: none)."""
+    main = max(16, 1 << (w_rows.bit_length() - 1))
+    rest = w_rows - main
+    return main, (0 if rest <= 0 else max(16, triton.next_power_of_2(rest)))
+
+
+def linear_rows_config(rows: int, n: int, k: int, *, pair: bool = False, can_split: bool = True,
+                       device: torch.device | None = None) -> tuple[int, int, int, int, int]:
+    """The config of an [n x k] weight at `rows` rows: the table's entry; else, for one row (the GEMV:
+    BLOCK_N, BLOCK_K, SPLIT, warps, stages) about two programs per SM from 16- or 32-column blocks, K
+    split into whole tiles as far as needed; for more rows (and pair: the gate/up matrix, any rows)
+    balanced_config (COLS, BLOCK_K, SPLIT, warps, stages)."""
     cfg = _table_entry(rows, n, k)[1]
     if cfg is not None:
         return cfg
+    if rows > 1 or pair:
+        return balanced_config(rows, n // 2 if pair else n, k, sms=_sms(device), pair=pair, can_split=can_split)
     block_n = 32 if n >= 32 * 132 // 2 else 16
     block_k = min(128, max(16, triton.next_power_of_2(k)))
     tiles = -(-k // block_k)
@@ -462,47 +559,53 @@ GEMV_PROGRAMS_PER_SM = 4   # the one-row GEMV's persistent grid (H200, 2026-12-0
 
 
 def _gemv_programs(device: torch.device) -> int:
-    """GEMV_PROGRAMS_PER_SM programs for every SM of `device` (4 SMs stand in for the interpreter)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return GEMV_PROGRAMS_PER_SM * sms
+    """GEMV_PROGRAMS_PER_SM programs for every SM of `device`."""
+    return GEMV_PROGRAMS_PER_SM * _sms(device)
 
 
 def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
-                        partials: bool, cfg: tuple[int, int, int, int, int] | None) -> torch.Tensor:
-    """One row: the persistent GEMV (_gemv_kernel); more: _linear_rows_kernel. A K split writes float32
-    partials, returned as they are (partials) or summed, with the bias, by one more launch."""
+                        partials: bool, cfg: tuple[int, int, int, int, int] | None, pair: bool = False) -> torch.Tensor:
+    """One row: the persistent GEMV (_gemv_kernel); more, or pair: _linear_rows_kernel. A K split writes
+    float32 partials, returned as they are (partials) or summed, with the bias, by one more launch."""
     rows = x.shape[0]
     n, k = weight.shape
+    n_out = n // 2 if pair else n
     if not 0 < rows <= LINEAR_ROWS_MAX:
         raise ValueError(f"linear_rows takes 1..{LINEAR_ROWS_MAX} rows, got {rows}")
     if x.shape[1] != (2 * k if silu else k) or not x.is_contiguous() or not weight.is_contiguous() \
-            or n * k >= 2 ** 31:
-        raise ValueError(f"linear_rows: x {tuple(x.shape)} against weight {tuple(weight.shape)} (contiguous)")
-    block_n, block_k, split, warps, stages = cfg or linear_rows_config(rows, n, k)
+            or n * k >= 2 ** 31 or (pair and (n % 2 or silu or partials or bias is not None)):
+        raise ValueError(f"linear_rows: x {tuple(x.shape)} against weight {tuple(weight.shape)} (contiguous)"
+                         + (" as a gate/up pair (even rows, no bias, no partials)" if pair else ""))
+    gemv = rows == 1 and not pair
+    cols, block_k, split, warps, stages = cfg or linear_rows_config(rows, n, k, pair=pair, can_split=partials,
+                                                                    device=x.device)
     k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_split)
-    even = n % block_n == 0 and k % k_split == 0
+    if pair and split > 1:
+        raise ValueError(f"linear_silu: config {cfg} splits K; SiLU needs whole sums")
     to_partials = partials or split > 1
     if to_partials:
         out = torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
     else:
-        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+        out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
     has_bias = bias is not None and not to_partials
     gdc = pdl.launch_args(x.device, rows)
-    if rows == 1:
-        units = triton.cdiv(n, block_n) * split
+    if gemv:
+        units = triton.cdiv(n, cols) * split
         progs = min(units, _gemv_programs(x.device))
         _gemv_kernel[(progs,)](x, weight, x if bias is None else bias, out, n, k, k_split, units, x, x, x, x, x, 0,
                                ITERS=triton.cdiv(units, progs) * (k_split // block_k), K_TILES=k_split // block_k,
-                               SPLIT=split, HAS_BIAS=has_bias, SILU=silu, PARTIALS=to_partials, EVEN=even,
-                               BLOCK_N=block_n, BLOCK_K=block_k, ROPE_D=0, H_Q=0, H_KV=0,
-                               num_warps=warps, num_stages=stages, LINES=pdl.lines(block_k, weight), **gdc)
+                               SPLIT=split, HAS_BIAS=has_bias, SILU=silu, PARTIALS=to_partials,
+                               EVEN=n % cols == 0 and k % k_split == 0, BLOCK_N=cols, BLOCK_K=block_k, ROPE_D=0,
+                               H_Q=0, H_KV=0, num_warps=warps, num_stages=stages, LINES=pdl.lines(block_k, weight),
+                               **gdc)
     else:
-        _linear_rows_kernel[(triton.cdiv(n, block_n), split)](
-            x, weight, x if bias is None else bias, out, rows, n, k, k_split, x.shape[1], K_TILES=k_split // block_k,
-            HAS_BIAS=has_bias, SILU=silu, PARTIALS=to_partials, EVEN=even, IEEE=weight.dtype == torch.float32,
-            ROWS_P=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=warps, num_stages=stages, **gdc)
+        r_main, r_tail = _row_tiles((2 if pair else 1) * cols)
+        _linear_rows_kernel[(triton.cdiv(n_out, cols), split)](
+            x, weight, x if bias is None else bias, out, rows, n_out, k, k_split, x.shape[1],
+            K_TILES=k_split // block_k, COLS=cols, R_MAIN=r_main, R_TAIL=r_tail, HAS_BIAS=has_bias, SILU=silu,
+            PAIR=pair, PARTIALS=to_partials, EVEN_K=k % k_split == 0, IEEE=weight.dtype == torch.float32,
+            ROWS_P=max(16, triton.next_power_of_2(rows)), BLOCK_K=block_k, num_warps=warps, num_stages=stages, **gdc)
     if partials or split == 1:
         return out
     summed = torch.empty(rows, n, dtype=x.dtype, device=x.device)
@@ -525,6 +628,14 @@ def linear_rows_partials(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = 
                          config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """float32 partials [SPLIT, rows, N] of x @ weight.T (no bias) for add_rmsnorm's residual."""
     return _linear_rows_launch(x, weight, None, silu, True, config)
+
+
+def linear_silu(x: torch.Tensor, gate_up: torch.Tensor,
+                config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """silu_mul(F.linear(x, gate_up)) for x [rows <= 64, K] and the stacked gate/up weight [2F, K] in one
+    launch: each program owns gate and up rows of the same output columns, so SiLU*up is its epilogue
+    (gate/up rounded to x's dtype first, as the two-launch path rounds them). Returns [rows, F]."""
+    return _linear_rows_launch(x, gate_up, None, False, False, config, pair=True)
 
 
 ROPE_ROWS_ALL_HEADS = 16   # from this many token rows on, one rope_store program takes all of a row's heads

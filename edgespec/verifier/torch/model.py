@@ -237,10 +237,11 @@ class TransformerLM(nn.Module):
     def _forward_fused(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                        cache: torch.Tensor, attend: Attention, logits: bool) -> torch.Tensor | None:
         """The same forward with fused.py's Triton kernels: ten launches per layer (the residual
-        add is folded into the next RMSNorm, the last one into the final norm). With small_rows_matmul >= B*T, the matmuls for which
-        fused.LINEAR_ROWS_TABLE has a config (measured faster than cuBLAS there) are
-        fused.linear_rows: the split-K partials of wo and w2 are summed by the add_rmsnorm that
-        reads them, and w2's version applies SiLU*up as it loads gate/up (no silu_mul launch)."""
+        add is folded into the next RMSNorm, the last one into the final norm). With small_rows_matmul >= B*T,
+        the matmuls for which fused.LINEAR_ROWS_TABLE has a config (measured faster than cuBLAS there)
+        are fused.linear_rows: the split-K partials of wo and w2 are summed by the add_rmsnorm that reads
+        them; gate/up runs as fused.linear_silu (SiLU*up its epilogue), or else w2's version applies
+        SiLU*up as it loads gate/up (no silu_mul launch either way)."""
         from edgespec.verifier.torch import fused
 
         c = self.config
@@ -264,11 +265,13 @@ class TransformerLM(nn.Module):
             att = attend(q.view(B, T, c.n_head, c.head_dim), cache[i]).reshape(rows, -1)
             out = fused.linear_rows_partials(att, layer.wo.weight) if use["wo"] else layer.wo(att)
             h, x = fused.add_rmsnorm(x, out, layer.ffn_norm.weight, c.norm_eps)   # partials: summed here
-            gate_up = fused.linear_rows(h, layer.w13.weight) if use["w13"] else layer.w13(h)
-            if use["w2"]:  # float32 partials [SPLIT, rows, d], SiLU*up applied as w2 loads gate/up
-                down = fused.linear_rows_partials(gate_up, layer.w2.weight, silu=True)
+            if use["w13"]:   # SiLU*up as the gate/up matmul's epilogue
+                act = fused.linear_silu(h, layer.w13.weight)
+                down = fused.linear_rows_partials(act, layer.w2.weight) if use["w2"] else layer.w2(act)
+            elif use["w2"]:  # float32 partials [SPLIT, rows, d], SiLU*up applied as w2 loads gate/up
+                down = fused.linear_rows_partials(layer.w13(h), layer.w2.weight, silu=True)
             else:
-                down = layer.w2(fused.silu_mul(gate_up))
+                down = layer.w2(fused.silu_mul(layer.w13(h)))
             if i + 1 < len(self.layers):
                 h, x = fused.add_rmsnorm(x, down, self.layers[i + 1].attn_norm.weight, c.norm_eps)
             elif logits:   # the final norm (float32 inside, rounded once for the LM head's operands)

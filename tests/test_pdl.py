@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 from edgespec.verifier.torch import knobs, pdl  # noqa: E402
 
 # kernels whose programs ask L2 for their first weight lines before the wait
-PREFETCH = {"_add_rmsnorm_kernel", "_gemv_kernel"}
+PREFETCH = {"_add_rmsnorm_kernel", "_gemv_kernel", "_linear_rows_kernel"}
 
 
 def test_pdl_is_a_knob_and_stays_off_without_a_gpu_that_has_it():
@@ -138,6 +138,7 @@ def _compile_launches(gdc: bool) -> dict[str, dict]:
     fused.linear_rows(x, torch.zeros(2048, d, dtype=bf), torch.zeros(2048, dtype=bf))      # one row: the GEMV
     fused.linear_rows(torch.zeros(16, d, dtype=bf), torch.zeros(d, d, dtype=bf),           # rows + summed partials
                       config=(32, 128, 2, 4, 4))
+    fused.linear_silu(torch.zeros(16, d, dtype=bf), torch.zeros(2 * 136, d, dtype=bf))    # gate/up, SiLU*up epilogue
     cache = torch.zeros(2, 64, kv_heads, hd, dtype=bf)
     ang = torch.zeros(1, hd // 2)
     fused.rope_store(torch.zeros(1, (heads + 2 * kv_heads) * hd, dtype=bf), ang.cos(), ang.sin(), cache,

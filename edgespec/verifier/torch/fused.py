@@ -214,7 +214,7 @@ if triton is not None:
                             COLS: tl.constexpr, R_MAIN: tl.constexpr, R_TAIL: tl.constexpr,
                             HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PAIR: tl.constexpr, PARTIALS: tl.constexpr,
                             EVEN_K: tl.constexpr, IEEE: tl.constexpr, ROWS_P: tl.constexpr,
-                            BLOCK_K: tl.constexpr, GDC: tl.constexpr):
+                            BLOCK_K: tl.constexpr, GDC: tl.constexpr, LINES: tl.constexpr):
         """out^T [cols, rows] = W[cols, k-slice] @ x^T[k-slice, rows] for program pid0's COLS output
         columns (any count: the GPU's SMs get an equal share, not whole power-of-two blocks, whose last
         wave left a third of them idle) and the K slice [pid1 * k_split, +k_split). The share is a
@@ -223,8 +223,8 @@ if triton is not None:
         tl.dot) comes from L2. SILU: X is gate/up [rows, 2K] and the input is silu(gate) * up (what
         silu_mul writes). PAIR: W is gate/up stacked [2N, K] and the output silu(gate) * up [rows, N]
         (no gate/up tensor, no silu_mul launch). PARTIALS: float32 [SPLIT, rows, N]; else the bias is
-        added and O [rows, N] written. EVEN_K: every slice is whole BLOCK_K tiles inside K."""
-        gdc_enter(GDC)
+        added and O [rows, N] written. EVEN_K: every slice is whole BLOCK_K tiles inside K. With GDC the
+        first tile's weight lines (LINES per row) are asked of L2 before the wait (pdl.py)."""
         p = tl.program_id(0)
         split = tl.program_id(1)
         r = tl.arange(0, ROWS_P)
@@ -232,6 +232,10 @@ if triton is not None:
         r_ok = r < rows
         k_lo = split * k_split
         w_main, col_main, ok_main = _rows_of(p, 0, R_MAIN, COLS, N, PAIR)
+        if GDC:
+            at = k_lo + tl.arange(0, LINES) * (BLOCK_K // LINES)
+            prefetch_l2(W, w_main[:, None] * K + at[None, :], ok_main[:, None] & (at < K)[None, :], GDC)
+        gdc_enter(GDC)
         w_main = W + w_main[:, None] * K + kk[None, :]
         acc_main = tl.zeros((R_MAIN, ROWS_P), tl.float32)
         if R_TAIL > 0:
@@ -605,7 +609,8 @@ def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             x, weight, x if bias is None else bias, out, rows, n_out, k, k_split, x.shape[1],
             K_TILES=k_split // block_k, COLS=cols, R_MAIN=r_main, R_TAIL=r_tail, HAS_BIAS=has_bias, SILU=silu,
             PAIR=pair, PARTIALS=to_partials, EVEN_K=k % k_split == 0, IEEE=weight.dtype == torch.float32,
-            ROWS_P=max(16, triton.next_power_of_2(rows)), BLOCK_K=block_k, num_warps=warps, num_stages=stages, **gdc)
+            ROWS_P=max(16, triton.next_power_of_2(rows)), BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+            LINES=pdl.lines(block_k, weight), **gdc)
     if partials or split == 1:
         return out
     summed = torch.empty(rows, n, dtype=x.dtype, device=x.device)

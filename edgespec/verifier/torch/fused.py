@@ -475,7 +475,7 @@ LINEAR_ROWS_MAX = 64
 LINEAR_ROWS_TABLE: dict[tuple[int, int], list[tuple[int, tuple[int, int, int, int, int] | None]]] = {
     (2048, 1536): [(1, (8, 512, 1, 8, 3)), (16, (16, 128, 1, 4, 4)), (64, None)],
     (1536, 1536): [(1, (8, 256, 2, 4, 3)), (16, (32, 128, 2, 4, 4)), (64, None)],
-    (17920, 1536): [(16, (34, 64, 1, 4, 4)), (64, (68, 128, 1, 8, 3))],
+    (17920, 1536): [(16, None), (64, (68, 128, 1, 8, 3))],
     (1536, 8960): [(1, (16, 256, 5, 4, 3)), (64, (128, 64, 11, 8, 4))],
 }
 # 2-64 rows and gate/up (H200, 2026-12-02 16:12 UTC, tools/bench_gpu_verify.py --matmul-sweep, us per call against

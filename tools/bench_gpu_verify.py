@@ -435,10 +435,10 @@ def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict,
 MATMULS = {"wqkv": (2048, 1536, True), "wo": (1536, 1536, False), "w13": (17920, 1536, False),
            "w2": (1536, 8960, False)}
 MATMUL_CANDIDATES = {   # 2+ rows (and w13 at any rows): (COLS per program, BLOCK_K, SPLIT, num_warps, num_stages)
-    "wqkv": [(32, 64, 1, 4, 4), (16, 128, 1, 4, 4), (64, 64, 1, 4, 4)],
-    "wo": [(24, 64, 2, 4, 4), (48, 64, 4, 4, 4), (16, 128, 1, 4, 4)],
-    "w13": [(68, 64, 1, 8, 3), (68, 128, 1, 8, 3), (64, 64, 1, 8, 4), (34, 64, 1, 4, 4)],   # linear_silu: COLS pairs
-    "w2": [(128, 64, 11, 8, 4), (70, 64, 6, 8, 4), (128, 128, 11, 8, 3), (48, 64, 4, 4, 4)],
+    "wqkv": [(16, 128, 1, 4, 4), (16, 128, 1, 4, 6), (32, 128, 1, 4, 4), (16, 256, 1, 4, 3)],
+    "wo": [(48, 64, 4, 4, 4), (48, 64, 4, 4, 6), (48, 128, 4, 4, 3), (32, 128, 2, 4, 4)],
+    "w13": [(68, 128, 1, 8, 3), (68, 64, 1, 8, 6), (68, 128, 1, 8, 4), (34, 64, 1, 4, 6), (34, 128, 1, 4, 3)],   # linear_silu
+    "w2": [(128, 64, 11, 8, 4), (128, 64, 11, 8, 6), (128, 128, 11, 8, 4), (64, 64, 6, 4, 6)],
 }
 GEMV_CANDIDATES = {   # one row only: fused._gemv_kernel (persistent, GEMV_PROGRAMS_PER_SM programs per SM)
     "wqkv": [(8, 512, 1, 8, 3), (8, 512, 1, 4, 3), (8, 256, 1, 4, 3)],
@@ -493,6 +493,8 @@ def bench_matmuls(args, ceil: dict | None) -> dict:
             row = {"matrix": name, "N": n, "K": k, "rows": rows, "weight_copies": copies,
                    "floor_us": nbytes / bw * 1e6}
             row["cublas_us"] = graph_us([lambda w=w: F.linear(x, w, b) for w in ws], args.iters)
+            # the same product the other way round (W @ x^T: cuBLAS sees M = N, N = rows and may pick other kernels)
+            row["cublas_wx_us"] = graph_us([lambda w=w: torch.mm(w, x.t()) for w in ws], args.iters)
             if pair:
                 row["cublas_silu_us"] = graph_us([lambda w=w: fused.silu_mul(F.linear(x, w)) for w in ws], args.iters)
                 ref = fused.silu_mul_torch(F.linear(x.float(), ws[0].float()))

@@ -1,12 +1,14 @@
 """Property tests (hypothesis) of the paged KV cache's bookkeeping and of compaction.
 
-- Random programs of new / append / share_prefix / truncate / reserve+trim / close / compact on
-  PagedKVCache: after every operation each sequence reads back exactly the K/V written for it (so
-  copy-on-write never lets a truncated-then-appended sequence write into a prefix it shares),
-  refcounts equal the number of owning sequences, no block is both free and owned, none is lost
-  (free + owned = all), the free bitmap equals the free list, and after a compaction F = 0.
-- The engine with a tiny random float32 model: sessions with shared prefixes and holes left by
-  closed ones give bit-identical logits before and after compaction.
+- Random programs of new / append / share_prefix / truncate / a step (reserve, accept some of it,
+  trim keeping spares) / close / compact on PagedKVCache: after every operation each sequence reads
+  back exactly the K/V written for it (so copy-on-write never lets a truncated-then-appended
+  sequence write into a prefix it shares), refcounts equal the number of owning sequences, no block
+  is both free and owned, none is lost (free + used + spare = all), the free bitmap equals the free
+  list, an allocation fails only when the free blocks and the other sequences' spares together are
+  too few, and after a compaction F = 0 and no spares are left.
+- The engine with a tiny random float32 model: sessions with shared prefixes, holes left by closed
+  ones and spare blocks give bit-identical logits before and after compaction.
 - The torch backend: with compaction triggered between steps (threshold 0), every session's greedy
   speculative tokens and margins equal those of a backend that never compacts.
 
@@ -69,15 +71,23 @@ class CacheProgram(RuleBasedStateMachine):
         self.seqs.append(self.cache.new_sequence())
         self.shadow.append(torch.zeros(LAYERS, 2, 0, HEADS, DIM))
 
+    def _available(self, seq) -> int:  # noqa: ANN001
+        """Blocks an allocation for seq may get: the free ones and the other sequences' spares."""
+        return self.cache.pool.num_free + sum(s.num_spare for s in self.seqs if s is not seq)
+
     @precondition(lambda self: self.seqs)
     @rule(i=st.integers(0, 99), n=st.integers(1, 7))
     def append(self, i: int, n: int) -> None:
         i = self._pick(i)
         self.writes += 1
         data = rows(n, 1000.0 * self.writes)
+        s = self.seqs[i]
+        need = self.cache.blocks_for(len(s) + n) - len(s.blocks)
+        available = self._available(s)
         try:
-            self.seqs[i].append(data)
+            s.append(data)
         except OutOfBlocksError:
+            assert need > available, "spares made an allocation fail"
             return
         self.shadow[i] = torch.cat((self.shadow[i], data), dim=2)
 
@@ -104,14 +114,28 @@ class CacheProgram(RuleBasedStateMachine):
         self.shadow[i] = self.shadow[j][:, :, :got]
 
     @precondition(lambda self: self.seqs)
-    @rule(i=st.integers(0, 99), extra=st.integers(0, 9))
-    def reserve_and_trim(self, i: int, extra: int) -> None:
-        s = self.seqs[self._pick(i)]
+    @rule(i=st.integers(0, 99), extra=st.integers(0, 9), accept=st.floats(0, 1), spare=st.integers(0, 9))
+    def step(self, i: int, extra: int, accept: float, spare: int) -> None:
+        """As a verify step: reserve a tree's positions, fill some (the accepted path), trim keeping
+        the blocks `spare` more positions need."""
+        i = self._pick(i)
+        s = self.seqs[i]
+        need = self.cache.blocks_for(len(s) + extra) - len(s.blocks)
+        available = self._available(s)
         try:
             s.reserve(len(s) + extra)
         except OutOfBlocksError:
+            assert need > available, "spares made an allocation fail"
             return
-        s.trim()
+        self.writes += 1
+        data = rows(int(accept * extra), 1000.0 * self.writes)
+        free = self.cache.pool.num_free
+        s.append(data)                   # inside the reserved blocks: allocates nothing
+        assert self.cache.pool.num_free == free
+        self.shadow[i] = torch.cat((self.shadow[i], data), dim=2)
+        held = len(s.blocks)
+        s.trim(spare)
+        assert len(s.blocks) == min(held, self.cache.blocks_for(len(s) + spare)), "spares: bounded, and kept"
 
     @precondition(lambda self: self.seqs)
     @rule(i=st.integers(0, 99))
@@ -122,7 +146,7 @@ class CacheProgram(RuleBasedStateMachine):
 
     @rule()
     def compact(self) -> None:
-        free_before = self.cache.pool.num_free
+        free_before = self.cache.pool.num_free + self.cache.num_spare   # compact frees the spares first
         done = self.cache.compact()
         pool = self.cache.pool
         assert done.fragmentation_after == 0.0 and pool.fragmentation() == 0.0
@@ -130,12 +154,13 @@ class CacheProgram(RuleBasedStateMachine):
         used = pool.num_blocks - 1 - pool.num_free
         assert all(pool.refcount[b] > 0 for b in range(1, used + 1)), "used blocks are ids 1..U"
         assert not pool.num_free or pool._free[-1] == used + 1, "the next block handed out is the lowest free one"
+        assert self.cache.num_spare == 0, "compaction frees the spares"
 
     @invariant()
     def contents_are_what_was_written(self) -> None:
         for s, want in zip(self.seqs, self.shadow):
             assert len(s) == want.shape[2]
-            assert len(s.blocks) == self.cache.blocks_for(len(s))
+            assert len(s.blocks) == self.cache.blocks_for(len(s)) + s.num_spare and s.num_spare >= 0
             if len(s):
                 assert torch.equal(read_back(self.cache, s), want)
 
@@ -153,8 +178,13 @@ class CacheProgram(RuleBasedStateMachine):
         assert not set(free) & set(owners), "a block is both free and owned"
         assert len(free) + len(owners) == pool.num_blocks - 1, "a block was lost"
         assert set(np.flatnonzero(pool._is_free).tolist()) == set(free)
+        spares = [b for s in self.seqs for b in s.blocks[self.cache.blocks_for(len(s)):]]
+        assert all(pool.refcount[b] == 1 for b in spares), "a spare block is shared"
         report = self.cache.report()
         assert 0.0 <= report.fragmentation <= 1.0 and report.shared_blocks == sum(v > 1 for v in owners.values())
+        assert report.spare_blocks == len(spares) == self.cache.stats().spare
+        assert report.used_blocks == len(owners) - len(spares)
+        assert report.used_blocks + report.free_blocks + report.spare_blocks == report.num_blocks
 
 
 CacheProgram.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None,
@@ -205,7 +235,8 @@ def model() -> TransformerLM:
 @given(data=st.data())
 def test_compaction_leaves_every_sessions_logits_unchanged(model: TransformerLM, data: st.DataObject) -> None:
     """Sessions prefill prompts (some adopt another's prefix and go on privately, some close and
-    leave holes); each session's logits for a probe tree are bit-identical after compaction."""
+    leave holes, some keep spare blocks past their context); each session's logits for a probe tree
+    are bit-identical after compaction."""
     engine = Engine(model, num_blocks=64, block_size=4, prefill_chunk=8, attention="torch")
     vocab = model.config.vocab_size
     seqs, probes = [], []
@@ -225,13 +256,16 @@ def test_compaction_leaves_every_sessions_logits_unchanged(model: TransformerLM,
         n = data.draw(st.integers(1, 6), label="probe size")
         probes.append((data.draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n)),
                        [-1] + [data.draw(st.integers(0, i - 1)) for i in range(1, n)]))
-    before = [engine.logits(s, *p) for s, p in zip(seqs, probes)]
-    tables = [list(s.blocks) for s in seqs]
+    before = [engine.logits(s, *p) for s, p in zip(seqs, probes)]   # logits() trims: spares come after
+    for s in seqs:
+        s.reserve(len(s) + data.draw(st.integers(0, 12), label="reserved"))
+        s.trim(data.draw(st.integers(0, 12), label="spare positions"))
+    tables = [s.blocks[:engine.cache.blocks_for(len(s))] for s in seqs]
     done = engine.cache.compact()
     after = [engine.logits(s, *p) for s, p in zip(seqs, probes)]
     for b, a in zip(before, after):
         assert torch.equal(b, a)
-    assert engine.cache.pool.fragmentation() == 0.0
+    assert engine.cache.pool.fragmentation() == 0.0 and engine.cache.num_spare == 0
     changed = {x for t, s in zip(tables, seqs) for x, y in zip(t, s.blocks) if x != y}
     assert len(changed) == done.moved, "each moved block (shared or not) changed in every table holding it"
 

@@ -117,7 +117,9 @@ def test_long_prefill_takes_turns_with_other_sessions_verifies(mixed):
         assert name in text, name
     value = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
     assert value["edgespec_verifier_batch_size_count"] == registry.batcher.stats.batches
-    assert value["edgespec_verifier_kv_used_blocks"] == b.engine.cache.pool.stats().used > 0
+    kv = b.engine.cache.stats()   # spares (kept for the sessions' next trees) count apart from used blocks
+    assert value["edgespec_verifier_kv_used_blocks"] == kv.used > 0
+    assert value["edgespec_verifier_kv_spare_blocks"] == kv.spare
     assert value["edgespec_verifier_prefill_turns_total"] == registry.stats.prefill_turns
     assert value["edgespec_verifier_prefill_chunks_mixed_total"] == registry.stats.prefill_chunks_mixed
     registry.close()

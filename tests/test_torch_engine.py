@@ -338,6 +338,94 @@ def test_reserve_and_trim():
     s.close()
 
 
+def test_trim_keeps_the_spares_a_next_tree_needs_and_the_next_reserve_takes_them():
+    """trim(spare_positions) keeps the reserved blocks that many more positions need, at the end of
+    the table; the next reserve then allocates nothing. Spares count as neither used nor free."""
+    cache = PagedKVCache(1, 1, 2, num_blocks=10, block_size=4)   # 9 usable
+    s = cache.new_sequence()
+    s.append(torch.zeros(1, 2, 5, 1, 2))        # 2 blocks
+    s.reserve(5 + 9)                             # a tree of 9 nodes: 4 blocks
+    tree_blocks = s.blocks
+    assert s.num_spare == 0, "a step in flight holds no spares"
+    s.append(torch.ones(1, 2, 2, 1, 2))         # its accepted path: 7 positions
+    s.trim(9)
+    assert s.blocks == tree_blocks and s.num_spare == 2 and cache.num_spare == 2
+    stats, report = cache.stats(), cache.report()
+    assert (stats.used, stats.spare, stats.free, stats.num_blocks) == (2, 2, 5, 9)
+    assert (report.used_blocks, report.spare_blocks, report.free_blocks) == (2, 2, 5)
+    assert cache.pool.stats().used == 4, "the pool alone cannot tell spares from used blocks"
+    s.reserve(7 + 9)                             # the next tree of 9 nodes: nothing allocated
+    assert s.blocks == tree_blocks and cache.pool.num_free == 5
+    s.trim(2)                                    # a smaller next tree: 7 + 2 positions, 3 blocks
+    assert s.blocks == tree_blocks[:3] and cache.pool.num_free == 6
+    s.trim()
+    assert s.blocks == tree_blocks[:2] and s.num_spare == 0 and cache.pool.num_free == 7
+    s.reserve(7 + 20)
+    s.trim(20)
+    assert s.num_spare == 5
+    s.close()
+    assert cache.pool.num_free == 9 and cache.num_spare == 0
+
+
+def test_a_short_pool_reclaims_other_sequences_spares_but_never_a_step_in_flight():
+    """An allocation that finds too few free blocks takes other sequences' spares (their context
+    stays intact) before it fails; blocks reserved for a step in flight are not spares. With neither
+    free blocks nor spares, OutOfBlocksError fails that sequence alone and changes nothing."""
+    cache = PagedKVCache(1, 1, 2, num_blocks=9, block_size=4)    # 8 usable
+    a, b = cache.new_sequence(), cache.new_sequence()
+    data = torch.randn(1, 2, 5, 1, 2)
+    a.append(data)                        # 2 blocks
+    a.reserve(5 + 16)
+    a.trim(16)                            # 6 blocks, 4 of them spare: 2 free
+    assert a.num_spare == 4 and cache.pool.num_free == 2
+    b.append(torch.randn(1, 2, 12, 1, 2))    # 3 blocks: the 2 free ones and one of a's spares
+    assert a.num_spare == 3 and cache.pool.num_free == 0
+    a.reserve(5 + 12)                     # a step of a: its 5 blocks are in flight, none spare
+    assert a.num_spare == 0 and cache.num_spare == 0
+    held = (b.blocks, len(b), a.blocks, len(a))
+    with pytest.raises(OutOfBlocksError, match="KV cache full"):
+        b.append(torch.randn(1, 2, 4, 1, 2))
+    assert (b.blocks, len(b), a.blocks, len(a)) == held
+    a.trim(12)                            # the step is over: a's 3 blocks past its context are spares again
+    b.append(torch.randn(1, 2, 4, 1, 2))
+    assert a.num_spare == 2 and len(b) == 16 and cache.pool.num_free == 0
+    tables = cache.block_tables([a])
+    assert torch.equal(cache.gather(0, tables)[:, 0, :5][None], data)
+    a.close(), b.close()
+    assert cache.pool.num_free == 8
+
+
+def test_verify_steps_reuse_their_spares_and_decide_as_without_them(model):
+    """Each verify step keeps the blocks a next tree of its size needs: later steps allocate only
+    for the context's growth, and decide exactly as steps whose trim keeps no spares (the forward
+    rewrites every tree slot before reading it, so stale spare contents never matter)."""
+    rng = np.random.default_rng(9)
+    prompt = rng.integers(0, VOCAB, size=30).tolist()
+    runs = []
+    for keep_spares in (True, False):
+        engine = new_engine(model)
+        seq = prefilled(engine, [prompt])[0]
+        if not keep_spares:
+            seq.trim = lambda spare_positions=0, trim=seq.trim: trim()
+        pool = engine.cache.pool
+        allocated = []
+        pool.allocate = lambda n, allocate=pool.allocate: allocated.append(n) or allocate(n)
+        tree_rng = np.random.default_rng(2)
+        root, decisions = prompt[-1], []
+        for step in range(8):
+            tokens = [root] + tree_rng.integers(0, VOCAB, size=11).tolist()
+            [d] = engine.verify([TreeStep(seq, tokens, random_parents(12, tree_rng))])
+            decisions.append(d)
+            root = d.next_token
+            if step == 0:
+                first, length = sum(allocated), len(seq)
+        runs.append((decisions, sum(allocated) - first, length, len(seq), seq.num_spare))
+    (with_spares, grew, start, end, spare), (without, churned, *_) = runs
+    assert with_spares == without
+    assert spare > 0 and grew == -(-(end + 12) // 4) - -(-(start + 12) // 4), "only the growth was allocated"
+    assert churned > grew
+
+
 def test_exhausted_pool_fails_only_that_request(model):
     """In a batch, a tree the pool cannot hold gets OutOfBlocksError (RESOURCE_EXHAUSTED on the
     wire); the other requests are verified, and the failed session can go on with a smaller tree."""
@@ -360,6 +448,13 @@ def test_exhausted_pool_fails_only_that_request(model):
     n = len(last.committed)
     r = last.verify(TokenTree(tokens=np.array([last.committed[-1]]), parents=np.array([-1])), SamplingParams(), 1)
     assert len(last.committed) == n + len(r.tokens)
+    # The two stepped sessions keep their trees' unused blocks as spares; the third one's tree of the
+    # same size now takes some of them instead of failing on the free blocks alone.
+    lent = sum(s.seq.num_spare for s in sessions[:2])
+    assert lent == backend.kv_usage().spare_blocks > 0 and backend.engine.cache.pool.num_free < 2
+    tree = TokenTree(tokens=np.array([last.committed[-1]] + list(range(1, 31))), parents=np.array([-1] + [0] * 30))
+    last.verify(tree, SamplingParams(), 2)
+    assert sum(s.seq.num_spare for s in sessions[:2]) < lent
     for s in sessions:
         s.close()
     assert backend.engine.cache.report().used_blocks == 0

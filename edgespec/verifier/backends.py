@@ -87,6 +87,7 @@ class KVUsage:
     compactions: int
     blocks_moved: int
     compact_seconds: float
+    spare_blocks: int = 0       # kept by sessions for their next trees: neither used nor free, reclaimable
 
 
 class PrefillProgress(Protocol):

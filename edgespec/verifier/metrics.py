@@ -42,6 +42,8 @@ class _SessionFigures:
                     ("kv_blocks", "usable KV cache blocks", kv.blocks),
                     ("kv_used_blocks", "KV blocks holding some session's context now", kv.used_blocks),
                     ("kv_shared_blocks", "KV blocks shared by several sessions (common prefixes)", kv.shared_blocks),
+                    ("kv_spare_blocks", "KV blocks sessions keep for their next trees (reclaimed when short)",
+                     kv.spare_blocks),
                     ("kv_fragmentation", "F = 1 - largest free run / free blocks", kv.fragmentation)):
                 yield GaugeMetricFamily(f"edgespec_verifier_{name}", doc, value=value)
             for name, doc, value in (

@@ -419,10 +419,11 @@ class TorchBackend(Backend):
         return riders
 
     def kv_usage(self) -> KVUsage:
-        pool, stats = self.engine.cache.pool.stats(), self.engine.stats
+        pool, stats = self.engine.cache.stats(), self.engine.stats
         return KVUsage(blocks=pool.num_blocks, used_blocks=pool.used, shared_blocks=pool.shared,
                        fragmentation=self.engine.cache.pool.fragmentation(), compactions=stats["compactions"],
-                       blocks_moved=stats["blocks_moved"], compact_seconds=stats["compact_seconds"])
+                       blocks_moved=stats["blocks_moved"], compact_seconds=stats["compact_seconds"],
+                       spare_blocks=pool.spare)
 
     def close(self) -> None:
         for s in list(self._sessions):

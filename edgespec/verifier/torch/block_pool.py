@@ -30,10 +30,15 @@ class OutOfBlocksError(ContextOverflowError):
 
 @dataclass(frozen=True)
 class PoolStats:
+    """num_blocks = free + used + spare. The pool itself cannot tell a sequence's spare blocks
+    (kv_cache.KVSequence.trim) from used ones, so BlockPool.stats counts them as used (spare 0);
+    PagedKVCache.stats takes them out."""
+
     num_blocks: int     # usable blocks (the null block excluded)
     free: int
     used: int
     shared: int         # used blocks with more than one owner
+    spare: int = 0      # kept by sequences for their next trees: reclaimable, holding nothing
 
 
 class BlockPool:

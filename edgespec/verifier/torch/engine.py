@@ -22,7 +22,8 @@ One step, for B sequences with trees of up to T nodes (both rounded up to a buck
    margins (tree_ops.accept), and the compaction: the accepted nodes' K/V rows move to slots
    ctx_len + depth;
 3. host: one small copy back ([B, 2 + 2T] floats: next token, path length, path, margins), the
-   sequences' lengths advance and unneeded reserved blocks go back to the pool.
+   sequences' lengths advance, and of the blocks reserved past them each keeps those a next tree
+   of the same size needs, as spares (kv_cache.py); the rest go back to the pool.
 A chunk of a session's prompt can ride in the same step (TreeStep.prefill_chunk): a chain whose
 nodes are all accepted, so verify trees and prefill of many sessions share one forward.
 Only the accepted tokens and margins cross to the host; the logits stay on the device, except for
@@ -38,7 +39,7 @@ exercise everything but the graph capture and the Triton kernel.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -95,8 +96,9 @@ class TreeStep:
         return cls(seq, tokens, chain_parents(len(tokens)), prefill=True)
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
+    """Immutable, as a frozen dataclass would be, at half its cost to build (B of them per step)."""
+
     path: list[int]          # accepted drafted nodes (root excluded)
     next_token: int
     margins: list[float]     # top-2 logit margin at the root and each accepted node
@@ -361,16 +363,30 @@ class Engine:
         out = self._read_back(st, self._run(st, (B, T, NB, mode), mode))
         self._last = st
         self.stats["steps"] += 1
-        decisions = []
-        for b, (s, row) in enumerate(zip(steps, out[:len(steps)].tolist())):   # one tolist, not 3 per row
-            if s.host_rule is not None:
-                decisions.append(self._decide_on_host(st, b, s, T, NB))
-                continue
-            k = int(row[1])
-            decisions.append(Decision([int(x) for x in row[3:3 + k]], int(row[0]), row[2 + T:3 + T + k]))
+        decisions = self._decisions(st, steps, out, T, NB)
         for s, d in zip(steps, decisions):
             s.seq.length += 1 + len(d.path)
-            s.seq.trim()
+            s.seq.trim(len(s.tokens))   # the blocks a next tree of this size needs stay, as spares
+        return decisions
+
+    WHOLE_ROWS = 256
+    """Decision rows of up to this many values in all are read whole; from larger ones only the columns
+    up to the longest accepted path (tolist costs ~10 ns a value: 10 us at B = 8, T = 64 here)."""
+
+    def _decisions(self, st: _Static, steps: Sequence[TreeStep], out: np.ndarray, T: int, NB: int) -> list[Decision]:
+        """Each tree's Decision from the step's output rows (next token, path length k, the path from
+        the root, then the margins: tree_ops.accept), or decided on the host. Tokens and nodes are
+        converted to ints by numpy in one call, not one int() each."""
+        rows = out[:len(steps)]
+        w = 1 + int(rows[:, 1].max()) if rows.size > self.WHOLE_ROWS else T   # the root and the longest path
+        heads = rows[:, :2 + w].astype(np.int64).tolist()
+        margins = rows[:, 2 + T:2 + T + w].tolist()
+        decisions = []
+        for b, (s, row, m) in enumerate(zip(steps, heads, margins)):   # row: token, k, root, path
+            if s.host_rule is not None:
+                decisions.append(self._decide_on_host(st, b, s, T, NB))
+            else:
+                decisions.append(Decision(row[3:3 + row[1]], row[0], m[:1 + row[1]]))
         return decisions
 
     @staticmethod

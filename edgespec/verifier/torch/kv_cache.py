@@ -4,7 +4,7 @@
     seq = cache.new_sequence()
     seq.append(rows)           # rows: [n_layer, 2, n, Hkv, D], the K/V of the next n positions
     seq.truncate(100)          # keep positions 0..99
-    seq.reserve(164); seq.trim()                                  # blocks for a step's tree, then back
+    seq.reserve(164); seq.trim(64)       # blocks for a step's tree; those a next 64-node tree needs stay
     other = cache.new_sequence(); other.share_prefix(seq, 100)   # adopts the 6 full blocks
     cache.gather(layer, cache.block_tables([seq, other]))        # [2, B, nb*bs, Hkv, D]
     cache.compact()            # between steps: free blocks as one run, every sequence's K/V unchanged
@@ -18,12 +18,23 @@ Sharing rule (no copy-on-write machinery): only full blocks are shared, and a se
 into its tail block, which is private whenever it is partly filled. The one case that would break
 that, truncating into the middle of a shared block, copies that one block first.
 
+Spare blocks: each verify step reserves blocks for its tree (`reserve`) and its accepted path fills
+only a few of them; `trim(spare_positions)` keeps those that a next tree of that size needs at the
+end of the block list, as spares, so the next `reserve` allocates nothing (at B = 8 and trees of 64
+nodes, ~5 blocks per sequence and step were allocated and freed again, one Python op each). Spares
+hold nothing (a step's forward writes every tree slot before reading it: no clearing), so they are
+lent, not owned: an allocation that finds the pool short reclaims other sequences' spares before
+it fails (never the blocks of a step in flight: those past `reserve`'s positions until `trim`), and
+compaction frees them all first. The pool cannot tell a spare from a used block (both have an owner);
+the cache can (`num_spare`), and reports them apart (CacheReport.spare_blocks).
+
 Compaction (`compact`, between steps): the pool plans moves of used blocks into free ids
 (block_pool.compaction_moves), the K/V are copied through a preallocated staging buffer of
 `compact_reserve` blocks, and only then do the pool and every sequence's block table switch to the
 new ids (a shared block is one move, seen by all its owners). The reserve makes compaction need no
 memory of its own (no allocation that could fail on a full GPU), and a failure during the copies
-leaves the cache as it was: the sources are only read, the destinations were free.
+leaves the cache as it was: the sources are only read, the destinations were free. Spares are freed
+first: copying scratch would be wasted, and the next steps take fresh blocks next to the used run.
 """
 from __future__ import annotations
 
@@ -33,17 +44,20 @@ from typing import Sequence as Seq
 
 import torch
 
-from edgespec.verifier.torch.block_pool import NULL_BLOCK, BlockPool
+from edgespec.verifier.torch.block_pool import NULL_BLOCK, BlockPool, PoolStats
 
 
 @dataclass(frozen=True)
 class CacheReport:
-    """Occupancy and fragmentation: paged memory wastes at most one partly filled block per sequence."""
+    """Occupancy and fragmentation: paged memory wastes at most one partly filled block per sequence.
+    num_blocks = used + free + spare: sequences' spares count as neither used (they hold no context,
+    and any allocation may take them) nor free (they are not on the free list: fragmentation and
+    compaction's plan see them as taken)."""
 
     block_size: int
     num_blocks: int            # usable blocks
     free_blocks: int
-    used_blocks: int
+    used_blocks: int           # holding some sequence's context (or a step in flight's tree)
     shared_blocks: int         # used by more than one sequence (common prefixes)
     sequences: int
     tokens: int                # positions held, summed over sequences (shared ones counted per sequence)
@@ -51,6 +65,7 @@ class CacheReport:
     empty_slots_in_partial: int
     filled_slots: int          # distinct slots holding K/V (shared ones counted once)
     largest_free_run: int = 0  # longest run of consecutive free block ids
+    spare_blocks: int = 0      # kept by sequences for their next trees (KVSequence.trim)
 
     @property
     def fragmentation(self) -> float:
@@ -63,10 +78,10 @@ class CacheReport:
         return self.filled_slots / (self.used_blocks * self.block_size) if self.used_blocks else 1.0
 
     def summary(self) -> str:
-        return (f"{self.used_blocks}/{self.num_blocks} blocks used ({self.free_blocks} free, {self.shared_blocks} "
-                f"shared), {self.sequences} sequences, {self.tokens} tokens, {self.partial_blocks} partial tail "
-                f"blocks with {self.empty_slots_in_partial} empty slots, utilization {self.utilization:.3f}, "
-                f"fragmentation {self.fragmentation:.3f}")
+        return (f"{self.used_blocks}/{self.num_blocks} blocks used ({self.free_blocks} free, {self.spare_blocks} "
+                f"spare, {self.shared_blocks} shared), {self.sequences} sequences, {self.tokens} tokens, "
+                f"{self.partial_blocks} partial tail blocks with {self.empty_slots_in_partial} empty slots, "
+                f"utilization {self.utilization:.3f}, fragmentation {self.fragmentation:.3f}")
 
 
 @dataclass(frozen=True)
@@ -95,7 +110,7 @@ class PagedKVCache:
         self.flat = self.kv.view(n_layer, 2, num_blocks * block_size, n_head_kv, head_dim)
         self._staging = torch.empty(n_layer, 2, compact_reserve, block_size, n_head_kv, head_dim, dtype=dtype,
                                     device=device)
-        self._sequences: set[KVSequence] = set()
+        self._sequences: dict[KVSequence, None] = {}   # open sequences, oldest first (the order spares are reclaimed)
 
     @property
     def device(self) -> torch.device:
@@ -115,8 +130,35 @@ class PagedKVCache:
 
     def new_sequence(self) -> "KVSequence":
         seq = KVSequence(self)
-        self._sequences.add(seq)
+        self._sequences[seq] = None
         return seq
+
+    # -- blocks ---------------------------------------------------------------------------------
+    @property
+    def num_spare(self) -> int:
+        """Spare blocks held by all sequences (a pass over them, not over the blocks)."""
+        return sum(s.num_spare for s in self._sequences)
+
+    def stats(self) -> PoolStats:
+        """The pool's figures with the sequences' spares taken out of `used` (they are what any
+        allocation may reclaim, not context: what the service reports as KV use)."""
+        pool, spare = self.pool.stats(), self.num_spare
+        return PoolStats(num_blocks=pool.num_blocks, free=pool.free, used=pool.used - spare, shared=pool.shared,
+                         spare=spare)
+
+    def _allocate(self, n: int, seq: "KVSequence") -> list[int]:
+        """n fresh blocks for seq. When the pool has fewer free, other sequences' spares are reclaimed
+        first, oldest sequence first; if even they are too few, OutOfBlocksError and nothing changed."""
+        short = n - self.pool.num_free
+        if short > 0:
+            lenders = [(s, s.num_spare) for s in self._sequences if s is not seq]
+            if sum(k for _, k in lenders) >= short:
+                for s, k in lenders:
+                    if short <= 0:
+                        break
+                    s._release_spares(min(k, short))
+                    short -= k
+        return self.pool.allocate(n)
 
     # -- reading ------------------------------------------------------------------------------
     def block_tables(self, seqs: Seq["KVSequence"], n_blocks: int | None = None) -> torch.Tensor:
@@ -142,6 +184,8 @@ class PagedKVCache:
         steps only: block ids change, so no step may hold a block table across it."""
         started = time.perf_counter()
         before = self.pool.fragmentation()
+        for seq in self._sequences:
+            seq._release_spares()
         moves = self.pool.compaction_moves()
         if moves:
             R = self._staging.shape[2]
@@ -163,7 +207,7 @@ class PagedKVCache:
 
     # -- accounting ---------------------------------------------------------------------------
     def report(self) -> CacheReport:
-        pool = self.pool.stats()
+        pool = self.stats()
         filled: dict[int, int] = {}
         partial = empty = 0
         for s in self._sequences:
@@ -177,7 +221,7 @@ class PagedKVCache:
                            used_blocks=pool.used, shared_blocks=pool.shared, sequences=len(self._sequences),
                            tokens=sum(s.length for s in self._sequences), partial_blocks=partial,
                            empty_slots_in_partial=empty, filled_slots=sum(filled.values()),
-                           largest_free_run=self.pool.largest_free_run())
+                           largest_free_run=self.pool.largest_free_run(), spare_blocks=pool.spare)
 
 
 class KVSequence:
@@ -188,6 +232,7 @@ class KVSequence:
         self.blocks: list[int] = []
         self.length = 0
         self.closed = False
+        self._reserved = 0   # positions reserved for a step in flight (reserve .. trim): never reclaimed
 
     def __len__(self) -> int:
         return self.length
@@ -195,6 +240,18 @@ class KVSequence:
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("this KV sequence was closed")
+
+    @property
+    def num_spare(self) -> int:
+        """Blocks past both the context and a step in flight: kept for the next tree, reclaimable."""
+        return len(self.blocks) - self.cache.blocks_for(max(self.length, self._reserved))
+
+    def _release_spares(self, n: int | None = None) -> None:
+        """Give back the last n spare blocks (all of them by default)."""
+        k = self.num_spare if n is None else min(n, self.num_spare)
+        if k > 0:
+            self.cache.pool.release(self.blocks[-k:])
+            del self.blocks[-k:]
 
     def append(self, rows: torch.Tensor) -> None:
         """Write the K/V of positions length..length+n-1; rows: [n_layer, 2, n, Hkv, D] (the engine
@@ -208,7 +265,7 @@ class KVSequence:
         bs = self.cache.block_size
         need = self.cache.blocks_for(self.length + n) - len(self.blocks)
         if need > 0:
-            self.blocks += self.cache.pool.allocate(need)
+            self.blocks += self.cache._allocate(need, self)
         positions = torch.arange(self.length, self.length + n)
         table = torch.tensor(self.blocks, dtype=torch.int64)
         slots = table[positions // bs] * bs + positions % bs
@@ -230,10 +287,11 @@ class KVSequence:
         pool = self.cache.pool
         private = None
         if n % self.cache.block_size and pool.refcount[self.blocks[keep - 1]] > 1:
-            (private,) = pool.allocate(1)  # may raise: nothing has changed yet
+            self._release_spares()   # they go anyway, and the copy may need one
+            (private,) = self.cache._allocate(1, self)  # may raise: nothing else has changed yet
         pool.release(self.blocks[keep:])
         del self.blocks[keep:]
-        self.length = n
+        self.length, self._reserved = n, 0
         if private is not None:
             self.cache._copy_block(self.blocks[-1], private)
             pool.release([self.blocks[-1]])
@@ -241,15 +299,19 @@ class KVSequence:
 
     def reserve(self, n_positions: int) -> None:
         """Make sure blocks cover positions 0..n_positions-1 (a step writes its tree there before
-        acceptance); the length is unchanged. `trim` gives back what the step did not keep."""
+        acceptance), spares first; the length is unchanged, and until `trim` no other sequence's
+        allocation reclaims these blocks."""
         self._check_open()
         need = self.cache.blocks_for(n_positions) - len(self.blocks)
         if need > 0:
-            self.blocks += self.cache.pool.allocate(need)
+            self.blocks += self.cache._allocate(need, self)
+        self._reserved = max(self._reserved, n_positions)
 
-    def trim(self) -> None:
-        """Release the blocks past the current length (reserved for a step, not needed now)."""
-        keep = self.cache.blocks_for(self.length)
+    def trim(self, spare_positions: int = 0) -> None:
+        """The step is over: release the blocks past the current length, except those that
+        `spare_positions` more positions need, kept as spares (none by default)."""
+        self._reserved = 0
+        keep = self.cache.blocks_for(self.length + spare_positions)
         if len(self.blocks) > keep:
             self.cache.pool.release(self.blocks[keep:])
             del self.blocks[keep:]
@@ -272,9 +334,9 @@ class KVSequence:
         return self.length
 
     def close(self) -> None:
-        """Give every block back (shared ones stay with their other owners)."""
+        """Give every block back, spares included (shared ones stay with their other owners)."""
         if self.closed:
             return
         self.cache.pool.release(self.blocks)
         self.blocks, self.length, self.closed = [], 0, True
-        self.cache._sequences.discard(self)
+        self.cache._sequences.pop(self, None)

@@ -473,15 +473,17 @@ LINEAR_ROWS_MAX = 64
 # 10.18 -> 10.03 in another call. 16 rows (tools/bench_gpu_verify.py --matmul-sweep, 2026-12-01 17:44
 # UTC, power-of-two column blocks): wo 4.24 vs 5.31; at 64 rows none won.
 LINEAR_ROWS_TABLE: dict[tuple[int, int], list[tuple[int, tuple[int, int, int, int, int] | None]]] = {
-    (2048, 1536): [(1, (8, 512, 1, 8, 3)), (16, (16, 128, 1, 4, 4)), (64, None)],
-    (1536, 1536): [(1, (8, 256, 2, 4, 3)), (16, (32, 128, 2, 4, 4)), (64, None)],
-    (17920, 1536): [(16, None), (64, (68, 128, 1, 8, 3))],
-    (1536, 8960): [(1, (16, 256, 5, 4, 3)), (64, (128, 64, 11, 8, 4))],
+    (2048, 1536): [(1, (8, 512, 1, 8, 3)), (16, (16, 128, 1, 4, 6)), (64, None)],
+    (1536, 1536): [(1, (8, 256, 2, 4, 3)), (16, (32, 128, 2, 4, 4)), (64, (48, 64, 4, 4, 6))],
+    (17920, 1536): [(16, None), (64, (68, 64, 1, 8, 6))],
+    (1536, 8960): [(1, (16, 256, 5, 4, 3)), (64, (128, 64, 11, 8, 6))],
 }
-# 2-64 rows and gate/up (H200, 2026-12-02 16:12 UTC, tools/bench_gpu_verify.py --matmul-sweep, us per call against
-# cuBLAS, docs/BENCHMARKS.md thirteenth session): wqkv 16 rows 4.86 vs 5.60 (64: 6.78 vs 5.86, cuBLAS); gate/up +
-# SiLU*up 16.86 / 17.33 / 19.21 vs cuBLAS + silu_mul 18.31 / 18.72 / 21.17 at 1 / 16 / 64 rows; w2 9.25 / 10.49 vs
-# 11.20 / 11.48 at 16 / 64 rows; wo's balanced shares lost to the 16-row entry (3.50 vs 3.26) and to cuBLAS at 64.
+# 2-64 rows and gate/up: picked on the H200 on 2026-12-02 (docs/BENCHMARKS.md thirteenth session), us per call in
+# one call (tools/bench_gpu_verify.py --matmul-sweep) against cuBLAS: wqkv 16 rows 4.68 vs 5.25 (64: 6.76 vs 5.88,
+# cuBLAS); wo 64 rows 4.52 vs 5.03 (16: the earlier entry, 3.21); gate/up + SiLU*up 64 rows 18.63 vs cuBLAS +
+# silu_mul 21.53; w2 on SiLU*up 64 rows 10.42 vs 12.22 (16 rows, where gate/up stays on cuBLAS, w2 applies SiLU*up
+# as it loads). In the steps, round-robin (Engine small_rows_matmul 1 against 64): 1 x 16 -10.3 %, 8 x 1 -10.7 %,
+# 1 x 64 -2.8 %; gate/up as linear_silu at 1 and 16 rows was slower there than cuBLAS (+1.2 %, +2.3 %).
 SMALL_ROWS_AUTO = 0   # 1: where LINEAR_ROWS_TABLE says cuBLAS (None), run linear_rows with balanced_config instead
                       # (and the gate/up matrix as linear_silu): for benchmarks that A/B the balanced shares.
                       # Off: on the H200 (2026-12-02) the steps were 4-23 % slower with every matrix on it

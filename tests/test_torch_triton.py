@@ -270,6 +270,7 @@ def test_fused_forward_small_rows_matmul_equals_cublas_path(monkeypatch, gate_up
     if gate_up == "cublas":
         table[(2 * c.d_ff, c.d_model)] = [(64, None)]
     monkeypatch.setattr(fused, "LINEAR_ROWS_TABLE", table)
+    monkeypatch.setattr(fused, "LINEAR_SILU_ROWS", 1)   # the steps here have 5 and 11 rows
     assert fused.linear_rows_wins(5, 2 * c.d_ff, c.d_model) == (gate_up == "linear_silu")
     assert not fused.linear_rows_wins(5, 2048, 1536)
     calls = []

@@ -56,11 +56,10 @@ case $phase in
     # (earlier variants, TREE_SPLIT, GEMV_ROPE, MOVE_ROWS_KERNEL, TARGET_PROGRAMS, PDL, lost or were adopted:
     # docs/BENCHMARKS.md; the twelfth session's, timed round-robin: TARGET_PROGRAMS=192, SILU_BLOCK=4096,
     # NORM_WARPS=4 and the attention's registers capped at 128, none a gain beyond that run's 0.4 % noise.)
-    # Pending: the small-rows matmul table of 2026-12-02 16:12 (2-64 rows; gate/up as linear_silu at 1-64 rows), timed as
-    # Engine small_rows_matmul 1 (the one-row GEMVs and linear_silu only) against 64 (the whole table), each with and
-    # without linear_silu (LINEAR_SILU=0: gate/up on cuBLAS).
+    # Pending: gate/up as linear_silu below 17 rows too, with a config of one program per SM (LINEAR_SILU_ROWS=1: from
+    # one row on; =2: from two).
     EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,capacity,mixed,hf,matmuls \
-      --checks kernel,engine --trees 1,16,64 --small-rows-matmul 1,64 --attention 'triton,triton!LINEAR_SILU=0' \
+      --checks kernel,engine --trees 1,16,64 --attention 'triton,triton!LINEAR_SILU_ROWS=1,triton!LINEAR_SILU_ROWS=2' \
       "${ITERS[@]}" --out "$OUT/variants.json" \
       && python3 tools/pick_knobs.py "$OUT/variants.json" --env "$OUT/knobs.env" && cp "$OUT/knobs.env" "$KNOBS_FILE"
     ;;

@@ -475,7 +475,7 @@ LINEAR_ROWS_MAX = 64
 LINEAR_ROWS_TABLE: dict[tuple[int, int], list[tuple[int, tuple[int, int, int, int, int] | None]]] = {
     (2048, 1536): [(1, (8, 512, 1, 8, 3)), (16, (16, 128, 1, 4, 6)), (64, None)],
     (1536, 1536): [(1, (8, 256, 2, 4, 3)), (16, (32, 128, 2, 4, 4)), (64, (48, 64, 4, 4, 6))],
-    (17920, 1536): [(16, None), (64, (68, 64, 1, 8, 6))],
+    (17920, 1536): [(64, (68, 64, 1, 8, 6))],
     (1536, 8960): [(1, (16, 256, 5, 4, 3)), (64, (128, 64, 11, 8, 6))],
 }
 # 2-64 rows and gate/up: picked on the H200 on 2026-12-02 (docs/BENCHMARKS.md thirteenth session), us per call in
@@ -487,8 +487,12 @@ LINEAR_ROWS_TABLE: dict[tuple[int, int], list[tuple[int, tuple[int, int, int, in
 SMALL_ROWS_AUTO = 0   # 1: where LINEAR_ROWS_TABLE says cuBLAS (None), run linear_rows with balanced_config instead
                       # (and the gate/up matrix as linear_silu): for benchmarks that A/B the balanced shares.
                       # Off: on the H200 (2026-12-02) the steps were 4-23 % slower with every matrix on it
-LINEAR_SILU = 1       # 0: gate/up stays F.linear (then w2 applies SiLU*up as it loads, or silu_mul runs) even where
-                      # the table has a linear_silu config
+LINEAR_SILU_ROWS = 17   # gate/up runs as linear_silu (where the table has a config) from this many rows on, F.linear
+                        # below. In the steps on the H200 (2026-12-02, round-robin) linear_silu lost at 1 and 16 rows
+                        # (+1.2 %, +2.3 %) with a config that let several programs share an SM, and won at 64 (-13 %
+                        # against w2's SiLU load). Each program holds an equal share of the weight, so two on one SM
+                        # (the scheduler's choice while PDL overlaps kernels) make that SM the tail; the table's
+                        # configs now take enough shared memory for one program per SM
 
 
 def _table_entry(rows: int, n: int, k: int) -> tuple[bool, tuple[int, int, int, int, int] | None]:

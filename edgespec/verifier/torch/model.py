@@ -251,7 +251,7 @@ class TransformerLM(nn.Module):
         blk = self.layers[0]
         use = {name: small and fused.linear_rows_wins(rows, *getattr(blk, name).weight.shape)
                for name in ("wqkv", "wo", "w13", "w2")}   # per matrix: where the table says it beats cuBLAS
-        use["w13"] = use["w13"] and bool(fused.LINEAR_SILU)
+        use["w13"] = use["w13"] and rows >= fused.LINEAR_SILU_ROWS
         x = self.embed(tokens).view(rows, c.d_model)
         cos, sin = cos.reshape(rows, -1), sin.reshape(rows, -1)
         h, x = fused.add_rmsnorm(x, None, self.layers[0].attn_norm.weight, c.norm_eps)

@@ -487,7 +487,7 @@ LINEAR_ROWS_TABLE: dict[tuple[int, int], list[tuple[int, tuple[int, int, int, in
 SMALL_ROWS_AUTO = 0   # 1: where LINEAR_ROWS_TABLE says cuBLAS (None), run linear_rows with balanced_config instead
                       # (and the gate/up matrix as linear_silu): for benchmarks that A/B the balanced shares.
                       # Off: on the H200 (2026-12-02) the steps were 4-23 % slower with every matrix on it
-LINEAR_SILU_ROWS = 17   # gate/up runs as linear_silu (where the table has a config) from this many rows on, F.linear
+LINEAR_SILU_ROWS = 1    # gate/up runs as linear_silu (where the table has a config) from this many rows on, F.linear
                         # below. In the steps on the H200 (2026-12-02, round-robin) linear_silu lost at 1 and 16 rows
                         # (+1.2 %, +2.3 %) with a config that let several programs share an SM, and won at 64 (-13 %
                         # against w2's SiLU load). Each program holds an equal share of the weight, so two on one SM

@@ -278,7 +278,7 @@ class Engine:
     def prefill_chunks(self, seq: KVSequence, tokens: Sequence[int]) -> Iterator[int]:
         """prefill, one chunk of `prefill_chunk` tokens per iteration (yields the tokens done so far), so
         that a caller can let other work run between chunks: a long prompt then delays other sessions'
-        steps by one chunk, not by the whole prompt. seq.blocks is read afresh for every chunk, so a
+        steps by one chunk, not by the whole prompt. seq.table is read afresh for every chunk, so a
         compaction between chunks is fine."""
         for start in range(0, len(tokens), self.prefill_chunk):
             self.append(seq, tokens[start:start + self.prefill_chunk])
@@ -306,7 +306,7 @@ class Engine:
         seq.reserve(L + n)
         dev = self.device
         bs = self.cache.block_size
-        table = torch.tensor([seq.blocks], dtype=torch.int64)
+        table = torch.tensor(seq.table[None])
         pos = L + np.arange(n)
         slots = table[0, pos // bs] * bs + torch.from_numpy(pos % bs)
         attend = self.attention_cls(table.to(dev), torch.tensor([L], device=dev),
@@ -349,9 +349,8 @@ class Engine:
         reserved = []
         try:
             for s in steps:
-                s.seq.reserve(s.seq.length + len(s.tokens))
+                widest = max(widest, s.seq.reserve(s.seq.length + len(s.tokens)))
                 reserved.append(s.seq)
-                widest = max(widest, len(s.seq.blocks))
         except BaseException:
             for seq in reserved:
                 seq.trim()
@@ -465,11 +464,14 @@ class Engine:
         H200 host this Python ran 4-6x slower than on a 2-core CI box: 0.1 ms of a B = 8 step, 2026-12-02.)"""
         a = st.host
         a["_ints"][:] = st.defaults            # every field as for padding rows, in one copy
-        for b, s in enumerate(steps):         # a row copy per field (numpy arrays from the backend: memcpy)
+        tokens, parents, tables = a["tokens"], a["parents"], a["tables"]
+        NB = tables.shape[1]                  # covers every tree's blocks; spares past them may not fit
+        for b, s in enumerate(steps):         # a row copy per field (numpy arrays: memcpy)
             n = len(s.tokens)
-            a["tokens"][b, :n] = s.tokens
-            a["parents"][b, 1:n] = s.parents[1:]   # the root's parent stays 0 (from the defaults)
-            a["tables"][b, :len(s.seq.blocks)] = s.seq.blocks
+            tokens[b, :n] = s.tokens
+            parents[b, 1:n] = s.parents[1:]   # the root's parent stays 0 (from the defaults)
+            table = s.seq.table[:NB]
+            tables[b, :table.size] = table
         n = len(steps)
         a["sizes"][:n] = [len(s.tokens) for s in steps]
         a["ctx"][:n] = [s.seq.length for s in steps]
@@ -568,7 +570,8 @@ class Engine:
         path = torch.zeros(1, T, dtype=torch.int64, device=self.device)
         path[0, :len(nodes)] = torch.tensor(nodes)
         tables = torch.zeros(1, NB, dtype=torch.int64)
-        tables[0, :len(s.seq.blocks)] = torch.tensor(s.seq.blocks)
+        table = torch.from_numpy(s.seq.table[:NB])
+        tables[0, :table.numel()] = table
         tree_ops.move_rows_torch(self.cache.flat, *tree_ops.compaction_slots(
             tables.to(self.device), torch.tensor([s.seq.length], device=self.device), path,
             torch.tensor([[len(acc.path)]], device=self.device), torch.ones(1, dtype=torch.bool, device=self.device),

@@ -143,6 +143,10 @@ def _compile_launches(gdc: bool) -> dict[str, dict]:
     ang = torch.zeros(1, hd // 2)
     fused.rope_store(torch.zeros(1, (heads + 2 * kv_heads) * hd, dtype=bf), ang.cos(), ang.sin(), cache,
                      torch.zeros(1, dtype=torch.int64), heads, kv_heads)
+    ang16 = torch.zeros(16, hd // 2)   # 16 rows: RoPE in _linear_rows_kernel's epilogue
+    fused.linear_rope_store(torch.zeros(16, d, dtype=bf), torch.zeros((heads + 2 * kv_heads) * hd, d, dtype=bf),
+                            torch.zeros((heads + 2 * kv_heads) * hd, dtype=bf), ang16.cos(), ang16.sin(), cache,
+                            torch.zeros(16, dtype=torch.int64), heads, kv_heads)
     fused.silu_mul(torch.zeros(16, 2 * f, dtype=bf))
     fused.argmax_top2(torch.zeros(2, 151936))
     T, bs = 16, 16

@@ -318,25 +318,28 @@ def test_engine_with_triton_kernels_equals_plain_torch_path():
     assert torch.allclose(out[0], out[1], atol=1e-4), float((out[0] - out[1]).abs().max())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv_with_rope_epilogue_equals_linear_then_rope_store(dtype):
-    """linear_rope_store (the one-row GEMV whose epilogue rotates q, k and writes the cache) against
-    rope_store_torch(F.linear(...)): q, the written k/v slot, and no other slot touched. Float32:
-    equal up to the sums' order; bf16: the same rounding of the matmul output before the rotation,
-    so equal within one bf16 step (the interpreter truncates where the GPU rounds)."""
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 1), (torch.bfloat16, 1), (torch.float32, 3)])
+def test_matmul_with_rope_epilogue_equals_linear_then_rope_store(dtype, rows):
+    """linear_rope_store (the wqkv matmul whose epilogue rotates q, k and writes the cache: the one-row
+    GEMV, or _linear_rows_kernel for more rows) against rope_store_torch(F.linear(...)): q, the written
+    k/v slots, and no other slot touched. Float32: equal up to the sums' order; bf16: the same rounding
+    of the matmul output before the rotation, so equal within one bf16 step (the interpreter truncates
+    where the GPU rounds; its tl.dot cannot take bf16, so more rows are checked in float32)."""
     from edgespec.verifier.torch import fused
 
     g = torch.Generator().manual_seed(7)
     n_head, n_head_kv, D, K, S = 4, 2, 16, 48, 10
     N = (n_head + 2 * n_head_kv) * D
-    x = torch.randn(1, K, generator=g).to(dtype)
+    x = torch.randn(rows, K, generator=g).to(dtype)
     w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
     b = torch.randn(N, generator=g).to(dtype)
-    ang = torch.rand(1, D // 2, generator=g) * 6.0
+    ang = torch.rand(rows, D // 2, generator=g) * 6.0
     cos, sin = ang.cos(), ang.sin()
-    slots = torch.tensor([7])
-    for cfg in [(8, 16, 1, 4, 2), (16, 32, 1, 4, 2), (4, 64, 1, 4, 2)]:   # whole K tiles; ragged last tile
-        table = {(N, K): [(1, cfg)]}
+    slots = torch.tensor([7, 2, 9][:rows])
+    cfgs = ([(8, 16, 1, 4, 2), (16, 32, 1, 4, 2), (4, 64, 1, 4, 2)] if rows == 1   # whole K tiles; ragged last tile
+            else [(16, 16, 1, 4, 2), (24, 32, 1, 4, 2), (6, 64, 1, 4, 2)])       # COLS spanning heads, ragged shares
+    for cfg in cfgs:
+        table = {(N, K): [(rows, cfg)]}
         old = fused.LINEAR_ROWS_TABLE
         fused.LINEAR_ROWS_TABLE = table
         try:
@@ -351,34 +354,45 @@ def test_gemv_with_rope_epilogue_equals_linear_then_rope_store(dtype):
         assert torch.allclose(q.float(), q_ref.float(), **tol)
         assert torch.allclose(cache.float(), cache_ref.float(), **tol)
         untouched = torch.ones(S, dtype=torch.bool)
-        untouched[7] = False
+        untouched[slots] = False
         assert not cache[:, untouched].any()
+    fused.LINEAR_ROWS_TABLE, old = {(N, K): [(rows, (8, 16, 2, 4, 2))]}, fused.LINEAR_ROWS_TABLE   # K split: refused
+    try:
+        with pytest.raises(ValueError, match="does not pair"):
+            fused.linear_rope_store(x, w, b, cos, sin, cache, slots, n_head, n_head_kv)
+    finally:
+        fused.LINEAR_ROWS_TABLE = old
 
 
-def test_fused_forward_with_rope_in_the_gemv_equals_without(monkeypatch):
-    """A one-token step of the fused forward with GEMV_ROPE on equals it with the separate RoPE
-    launch (tiny float32 model with a wqkv table entry that pairs within heads)."""
+@pytest.mark.parametrize("knob", ["GEMV_ROPE", "ROWS_ROPE"])
+def test_fused_forward_with_rope_in_the_matmul_equals_without(monkeypatch, knob):
+    """The fused forward with RoPE in the wqkv matmul's epilogue equals it with the separate RoPE launch
+    (tiny float32 model, a wqkv table entry that pairs within heads): a one-token step with GEMV_ROPE;
+    a 13-token prefill chunk and a 5-node tree step with ROWS_ROPE."""
     from edgespec.verifier.torch import fused
     from edgespec.verifier.torch.engine import Engine
     from edgespec.verifier.torch.model import ModelConfig, TransformerLM
 
     c = ModelConfig.tiny("qwen2")
     qkv = (c.n_head + 2 * c.n_head_kv) * c.head_dim
-    monkeypatch.setattr(fused, "LINEAR_ROWS_TABLE", {(qkv, c.d_model): [(1, (8, 32, 1, 4, 2))]})
+    monkeypatch.setattr(fused, "LINEAR_ROWS_TABLE", {(qkv, c.d_model): [(1, (8, 32, 1, 4, 2)), (16, (24, 32, 1, 4, 2))]})
     model = TransformerLM.random(c, dtype=torch.float32, seed=9)
     prefix = np.random.default_rng(3).integers(0, 512, size=13).tolist()
+    tokens, parents = ([5], [-1]) if knob == "GEMV_ROPE" else ([5, 9, 11, 3, 7], [-1, 0, 0, 1, 1])
     calls = []
     fused_call = fused.linear_rope_store
     monkeypatch.setattr(fused, "linear_rope_store", lambda *a: calls.append(1) or fused_call(*a))
     out = []
     for on in (0, 1):
-        monkeypatch.setattr(fused, "GEMV_ROPE", on)
-        assert fused.gemv_rope_fits(1, model.layers[0].wqkv.weight, c.head_dim) == bool(on)
+        monkeypatch.setattr(fused, knob, on)
+        rows = len(tokens)
+        assert fused.rope_in_matmul_fits(rows, model.layers[0].wqkv.weight, c.head_dim) == bool(on)
         engine = Engine(model, num_blocks=16, block_size=4, attention="torch", fused=True, small_rows_matmul=64)
         seq = engine.new_sequence()
         engine.prefill(seq, prefix)
-        out.append((engine.logits(seq, [5], [-1]), engine.cache.flat.clone()))
+        out.append((engine.logits(seq, tokens, parents), engine.cache.flat.clone()))
     model.fused_ops, model.small_rows_matmul = False, 0
-    assert len(calls) == c.n_layer   # the one-token step with GEMV_ROPE on, once a layer
+    # once a layer in the steps with the knob on: the one-token step (GEMV_ROPE); prefill and tree (ROWS_ROPE)
+    assert len(calls) == c.n_layer * (1 if knob == "GEMV_ROPE" else 2)
     assert torch.allclose(out[0][0], out[1][0], atol=1e-4), float((out[0][0] - out[1][0]).abs().max())
     assert torch.allclose(out[0][1], out[1][1], atol=1e-5)

@@ -225,31 +225,34 @@ def check_engine(attention: str) -> dict:
             "captures": engine.stats["captures"], "replays": engine.stats["replays"]}
 
 
-def check_gemv_rope(context: int = 300) -> dict:
-    """fused.GEMV_ROPE (RoPE and the cache writes in the one-row wqkv GEMV) against the separate
-    launch: random bf16 weights of the Qwen2.5-1.5B shape, a one-token forward after a prefill, eager.
-    Equal up to how the compiler contracts the rotation's multiply-adds in each kernel."""
+def check_rope_in_matmul(knob: str = "GEMV_ROPE", context: int = 300) -> dict:
+    """fused.GEMV_ROPE (RoPE and the cache writes in the one-row wqkv GEMV) or fused.ROWS_ROPE (the same in
+    _linear_rows_kernel, here a 16-token chain) against the separate launch: random bf16 weights of the
+    Qwen2.5-1.5B shape, the step's forward after a prefill, eager. Equal up to how the compiler contracts
+    the rotation's multiply-adds in each kernel."""
     from edgespec.verifier.torch import fused
 
     model = TransformerLM.random(ModelConfig.qwen2_1_5b(), dtype=torch.bfloat16, device="cuda", seed=4,
                                  max_positions=context + 64)
     prefix = np.random.default_rng(4).integers(0, 151936, size=context).tolist()
+    tokens = [17] if knob == "GEMV_ROPE" else [17 + 3 * i for i in range(16)]
     out = []
-    before = fused.GEMV_ROPE
     try:
         for on in (0, 1):
-            fused.GEMV_ROPE = on
-            used = fused.gemv_rope_fits(1, model.layers[0].wqkv.weight, model.config.head_dim)
-            engine = Engine(model, num_blocks=-(-context // 16) + 8, block_size=16, cuda_graphs=False)
-            seq = engine.new_sequence()
-            engine.prefill(seq, prefix)
-            out.append((engine.logits(seq, [17], [-1]).float(), engine.cache.flat.float().clone()))
-            del engine
+            with kernel_knobs.override({knob: on}):
+                used = fused.rope_in_matmul_fits(len(tokens), model.layers[0].wqkv.weight, model.config.head_dim)
+                engine = Engine(model, num_blocks=-(-context // 16) + 8, block_size=16, cuda_graphs=False)
+                seq = engine.new_sequence()
+                engine.prefill(seq, prefix)
+                out.append((engine.logits(seq, tokens, list(range(-1, len(tokens) - 1))).float(),
+                            engine.cache.flat.float().clone()))
+                del engine
     finally:
-        fused.GEMV_ROPE = before
+        model.fused_ops = False
     (l0, c0), (l1, c1) = out
     return {"used": used or "no table fit",
-            "max_logit_diff": float((l0 - l1).abs().max()), "same_argmax": bool(l0.argmax() == l1.argmax()),
+            "max_logit_diff": float((l0 - l1).abs().max()),
+            "same_argmax": bool((l0.argmax(-1) == l1.argmax(-1)).all()),
             "max_cache_diff": float((c0 - c1).abs().max())}
 
 
@@ -1070,7 +1073,7 @@ def main() -> int:
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--skip", default="",
                    help="comma-separated sections to skip: ceilings,checks,attention,matmuls,step,mixed,hf,capacity")
-    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope,move_rows,tree_split,pdl",
+    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope,rows_rope,move_rows,tree_split,pdl",
                    help="which checks the checks section runs")
     p.add_argument("--small-rows-matmul", default="",
                    help="step cells with these Engine small_rows_matmul values, comma-separated: off (0), on (64) "
@@ -1137,7 +1140,9 @@ def main() -> int:
                 result["engine_checks"].append({"attention": a, "error": f"{type(exc).__name__}: {exc}"[:600]})
         log("[check] engine with CUDA graphs vs accept_greedy on eager logits:", json.dumps(result["engine_checks"]))
     for name, check, what in (("compaction", check_compaction, "compaction between graph steps vs none"),
-                              ("gemv_rope", check_gemv_rope, "RoPE in the one-row wqkv GEMV vs its own launch"),
+                              ("gemv_rope", check_rope_in_matmul, "RoPE in the one-row wqkv GEMV vs its own launch"),
+                              ("rows_rope", lambda: check_rope_in_matmul("ROWS_ROPE"),
+                               "RoPE in the 16-row wqkv matmul vs its own launch"),
                               ("move_rows", check_move_rows, "the compaction copy kernel vs index_copy_"),
                               ("pdl", check_pdl, "programmatic dependent launch vs plain launches")):
         if cuda and "checks" not in skip and name in checks:

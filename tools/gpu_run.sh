@@ -56,10 +56,11 @@ case $phase in
     # (earlier variants, TREE_SPLIT, GEMV_ROPE, MOVE_ROWS_KERNEL, TARGET_PROGRAMS, PDL, lost or were adopted:
     # docs/BENCHMARKS.md; the twelfth session's, timed round-robin: TARGET_PROGRAMS=192, SILU_BLOCK=4096,
     # NORM_WARPS=4 and the attention's registers capped at 128, none a gain beyond that run's 0.4 % noise.)
-    # Pending: gate/up as linear_silu below 17 rows too, with a config of one program per SM (LINEAR_SILU_ROWS=1: from
-    # one row on; =2: from two).
+    # Pending: RoPE and the cache writes in the wqkv matmul's epilogue at 2-16 rows (ROWS_ROPE=1), also at one row
+    # (GEMV_ROPE=1); half the key splits at 1 x 16 and 1 x 64 (MIN_SPLIT_KEYS=256).
     EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,capacity,mixed,hf,matmuls \
-      --checks kernel,engine --trees 1,16,64 --attention 'triton,triton!LINEAR_SILU_ROWS=1,triton!LINEAR_SILU_ROWS=2' \
+      --checks kernel,engine,gemv_rope,rows_rope --trees 1,16,64 \
+      --attention 'triton,triton!ROWS_ROPE=1,triton!GEMV_ROPE=1:ROWS_ROPE=1,triton!MIN_SPLIT_KEYS=256' \
       "${ITERS[@]}" --out "$OUT/variants.json" \
       && python3 tools/pick_knobs.py "$OUT/variants.json" --env "$OUT/knobs.env" && cp "$OUT/knobs.env" "$KNOBS_FILE"
     ;;

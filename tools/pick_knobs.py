@@ -44,9 +44,10 @@ def check_passed(result: dict, knob: str, value: int) -> tuple[bool, str]:
     (the checked kernel off: the path it falls back to is the reference), pass."""
     if value == 0:
         return True, "off"
-    if knob == "GEMV_ROPE":
-        c = result.get("gemv_rope_check") or {}
-        return bool(c.get("same_argmax")) and c.get("used") is True, f"gemv_rope_check {c}"
+    if knob in ("GEMV_ROPE", "ROWS_ROPE"):
+        name = f"{knob.lower()}_check"
+        c = result.get(name) or {}
+        return bool(c.get("same_argmax")) and c.get("used") is True, f"{name} {c}"
     if knob == "MOVE_ROWS_KERNEL":
         c = result.get("move_rows_check") or {}
         return bool(c.get("equal")), f"move_rows_check {c}"

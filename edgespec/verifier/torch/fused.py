@@ -179,23 +179,46 @@ if triton is not None:
         tl.store(O + row * F_ + cols, y.to(O.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _rows_of(p, R_LO: tl.constexpr, R: tl.constexpr, COLS: tl.constexpr, N, PAIR: tl.constexpr):
+    def _rows_of(p, R_LO: tl.constexpr, R: tl.constexpr, COLS: tl.constexpr, N, PAIR: tl.constexpr,
+                 ROPE_D: tl.constexpr):
         """Tile rows R_LO..R_LO+R-1 of program p of _linear_rows_kernel: the weight row each loads, the
         output column it feeds, and whether it exists. PAIR: rows alternate gate (weight row c) and up
-        (weight row c + N) of output column c, so each SiLU*up pair sits in one program, side by side."""
+        (weight row c + N) of output column c, so each SiLU*up pair sits in one program, side by side.
+        ROPE_D > 0 (a head size): rows alternate output d and d + ROPE_D / 2 of a head, the two values
+        RoPE rotates together (as _gemv_unit orders them)."""
         local = R_LO + tl.arange(0, R)
         if PAIR:
             col = p * COLS + local // 2
             ok = (local < 2 * COLS) & (col < N)
             return col + (local % 2) * N, col, ok
         col = p * COLS + local
-        return col, col, (local < COLS) & (col < N)
+        ok = (local < COLS) & (col < N)
+        if ROPE_D > 0:
+            col = (col // ROPE_D) * ROPE_D + (col % ROPE_D) // 2 + (col % 2) * (ROPE_D // 2)
+        return col, col, ok
 
     @triton.jit
-    def _rows_store(acc, col, ok, O, Bias, split, r, r_ok, rows, N, HAS_BIAS: tl.constexpr, PAIR: tl.constexpr,
-                    PARTIALS: tl.constexpr, R: tl.constexpr, ROWS_P: tl.constexpr):
-        """_linear_rows_kernel's epilogue for one tile [R, ROWS_P] (output columns x token rows)."""
-        if PAIR:   # gate and up rounded as a matmul writes them, then silu(gate) * up as silu_mul writes it
+    def _rows_store(acc, col, ok, O, Bias, split, r, r_ok, rows, N, Cos, Sin, Slots, KC, VC, v_offset,
+                    HAS_BIAS: tl.constexpr, PAIR: tl.constexpr, PARTIALS: tl.constexpr, R: tl.constexpr,
+                    ROWS_P: tl.constexpr, ROPE_D: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr):
+        """_linear_rows_kernel's epilogue for one tile [R, ROWS_P] (output columns x token rows). ROPE_D:
+        the q/k/v outputs rounded as the matmul writes them, then what rope_store's kernel does with them
+        (_rotate_and_store): q to O [rows, H_Q, D], k and v to each token row's cache slot."""
+        if ROPE_D > 0:
+            if HAS_BIAS:
+                acc += tl.load(Bias + col, mask=ok, other=0.0).to(tl.float32)[:, None]
+            x1, x2 = tl.split(tl.permute(tl.reshape(acc.to(O.dtype.element_ty).to(tl.float32), [R // 2, 2, ROWS_P]),
+                                         (0, 2, 1)))
+            c, _ = tl.split(tl.reshape(col, [R // 2, 2]))
+            c_ok, _ = tl.split(tl.reshape(ok.to(tl.int32), [R // 2, 2]))
+            m = (c_ok != 0)[:, None] & r_ok[None, :]
+            d = (c % ROPE_D)[:, None]
+            cs = tl.load(Cos + r[None, :] * (ROPE_D // 2) + d, mask=m, other=0.0)
+            sn = tl.load(Sin + r[None, :] * (ROPE_D // 2) + d, mask=m, other=0.0)
+            slot = tl.load(Slots + r, mask=r_ok, other=0)[None, :]
+            _rotate_and_store(x1, x2, cs, sn, (c // ROPE_D)[:, None], d, r[None, :], slot, KC, VC, O, v_offset, m,
+                              H_Q, H_KV, ROPE_D)
+        elif PAIR:   # gate and up rounded as a matmul writes them, then silu(gate) * up as silu_mul writes it
             gate, up = tl.split(tl.permute(tl.reshape(acc, [R // 2, 2, ROWS_P]), (0, 2, 1)))
             dt = O.dtype.element_ty
             y = _silu_times(gate.to(dt), up.to(dt))
@@ -210,11 +233,12 @@ if triton is not None:
             tl.store(O + r[None, :] * N + col[:, None], acc.to(O.dtype.element_ty), mask=ok[:, None] & r_ok[None, :])
 
     @triton.jit
-    def _linear_rows_kernel(X, W, Bias, O, rows, N, K, k_split, x_stride, K_TILES: tl.constexpr,
-                            COLS: tl.constexpr, R_MAIN: tl.constexpr, R_TAIL: tl.constexpr,
+    def _linear_rows_kernel(X, W, Bias, O, rows, N, K, k_split, x_stride, Cos, Sin, Slots, KC, VC, v_offset,
+                            K_TILES: tl.constexpr, COLS: tl.constexpr, R_MAIN: tl.constexpr, R_TAIL: tl.constexpr,
                             HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PAIR: tl.constexpr, PARTIALS: tl.constexpr,
                             EVEN_K: tl.constexpr, IEEE: tl.constexpr, ROWS_P: tl.constexpr,
-                            BLOCK_K: tl.constexpr, GDC: tl.constexpr, LINES: tl.constexpr):
+                            BLOCK_K: tl.constexpr, GDC: tl.constexpr, LINES: tl.constexpr,
+                            ROPE_D: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr):
         """out^T [cols, rows] = W[cols, k-slice] @ x^T[k-slice, rows] for program pid0's COLS output
         columns (any count: the GPU's SMs get an equal share, not whole power-of-two blocks, whose last
         wave left a third of them idle) and the K slice [pid1 * k_split, +k_split). The share is a
@@ -223,15 +247,17 @@ if triton is not None:
         tl.dot) comes from L2. SILU: X is gate/up [rows, 2K] and the input is silu(gate) * up (what
         silu_mul writes). PAIR: W is gate/up stacked [2N, K] and the output silu(gate) * up [rows, N]
         (no gate/up tensor, no silu_mul launch). PARTIALS: float32 [SPLIT, rows, N]; else the bias is
-        added and O [rows, N] written. EVEN_K: every slice is whole BLOCK_K tiles inside K. With GDC the
-        first tile's weight lines (LINES per row) are asked of L2 before the wait (pdl.py)."""
+        added and O [rows, N] written. ROPE_D > 0 (wqkv): no O [rows, N]; the epilogue rotates q and k and
+        writes q to O [rows, H_Q, D], k and v to the cache (_rows_store). EVEN_K: every slice is whole BLOCK_K
+        tiles inside K. With GDC the first tile's weight lines (LINES per row) are asked of L2 before the
+        wait (pdl.py)."""
         p = tl.program_id(0)
         split = tl.program_id(1)
         r = tl.arange(0, ROWS_P)
         kk = tl.arange(0, BLOCK_K)
         r_ok = r < rows
         k_lo = split * k_split
-        w_main, col_main, ok_main = _rows_of(p, 0, R_MAIN, COLS, N, PAIR)
+        w_main, col_main, ok_main = _rows_of(p, 0, R_MAIN, COLS, N, PAIR, ROPE_D)
         if GDC:
             at = k_lo + tl.arange(0, LINES) * (BLOCK_K // LINES)
             prefetch_l2(W, w_main[:, None] * K + at[None, :], ok_main[:, None] & (at < K)[None, :], GDC)
@@ -239,7 +265,7 @@ if triton is not None:
         w_main = W + w_main[:, None] * K + kk[None, :]
         acc_main = tl.zeros((R_MAIN, ROWS_P), tl.float32)
         if R_TAIL > 0:
-            w_tail, col_tail, ok_tail = _rows_of(p, R_MAIN, R_TAIL, COLS, N, PAIR)
+            w_tail, col_tail, ok_tail = _rows_of(p, R_MAIN, R_TAIL, COLS, N, PAIR, ROPE_D)
             w_tail = W + w_tail[:, None] * K + kk[None, :]
             acc_tail = tl.zeros((R_TAIL, ROWS_P), tl.float32)
         x_ptr = X + r[None, :] * x_stride + kk[:, None]
@@ -266,11 +292,11 @@ if triton is not None:
                     acc_tail = tl.dot(w, xt, acc_tail, input_precision="ieee")
                 else:
                     acc_tail = tl.dot(w, xt, acc_tail)
-        _rows_store(acc_main, col_main, ok_main, O, Bias, split, r, r_ok, rows, N, HAS_BIAS, PAIR, PARTIALS, R_MAIN,
-                    ROWS_P)
+        _rows_store(acc_main, col_main, ok_main, O, Bias, split, r, r_ok, rows, N, Cos, Sin, Slots, KC, VC, v_offset,
+                    HAS_BIAS, PAIR, PARTIALS, R_MAIN, ROWS_P, ROPE_D, H_Q, H_KV)
         if R_TAIL > 0:
-            _rows_store(acc_tail, col_tail, ok_tail, O, Bias, split, r, r_ok, rows, N, HAS_BIAS, PAIR, PARTIALS,
-                        R_TAIL, ROWS_P)
+            _rows_store(acc_tail, col_tail, ok_tail, O, Bias, split, r, r_ok, rows, N, Cos, Sin, Slots, KC, VC,
+                        v_offset, HAS_BIAS, PAIR, PARTIALS, R_TAIL, ROWS_P, ROPE_D, H_Q, H_KV)
 
     @triton.jit
     def _gemv_unit(N, K, k_split, units, it, pid, progs, ITERS: tl.constexpr, K_TILES: tl.constexpr,
@@ -619,8 +645,8 @@ def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     else:
         r_main, r_tail = _row_tiles((2 if pair else 1) * cols)
         _linear_rows_kernel[(triton.cdiv(n_out, cols), split)](
-            x, weight, x if bias is None else bias, out, rows, n_out, k, k_split, x.shape[1],
-            K_TILES=k_split // block_k, COLS=cols, R_MAIN=r_main, R_TAIL=r_tail, HAS_BIAS=has_bias, SILU=silu,
+            x, weight, x if bias is None else bias, out, rows, n_out, k, k_split, x.shape[1], x, x, x, x, x, 0,
+            ROPE_D=0, H_Q=0, H_KV=0, K_TILES=k_split // block_k, COLS=cols, R_MAIN=r_main, R_TAIL=r_tail, HAS_BIAS=has_bias, SILU=silu,
             PAIR=pair, PARTIALS=to_partials, EVEN_K=k % k_split == 0, IEEE=weight.dtype == torch.float32,
             ROWS_P=max(16, triton.next_power_of_2(rows)), BLOCK_K=block_k, num_warps=warps, num_stages=stages,
             LINES=pdl.lines(block_k, weight), **gdc)
@@ -677,13 +703,18 @@ GEMV_ROPE = 0   # 1: a one-token step's wqkv GEMV also does RoPE and the cache w
                 # 1 x 1 replay went 1.517 -> 1.504 ms (-0.9 %, the epilogue takes back most of what the launch cost)
 
 
-def gemv_rope_fits(rows: int, weight: torch.Tensor, head_dim: int) -> bool:
-    """Whether linear_rope_store can serve this matmul: GEMV_ROPE on, one row, and a table config
-    whose column blocks pair within heads (even BLOCK_N dividing head_dim) with K unsplit."""
-    if not GEMV_ROPE or rows != 1 or not linear_rows_wins(rows, *weight.shape):
+ROWS_ROPE = 0   # 1: from two rows on (steps where linear_rows serves wqkv) its epilogue does RoPE and the cache writes
+
+
+def rope_in_matmul_fits(rows: int, weight: torch.Tensor, head_dim: int) -> bool:
+    """Whether linear_rope_store can serve this wqkv matmul: its knob on (GEMV_ROPE for one row, ROWS_ROPE for
+    more), a table config, K unsplit, and column shares that keep RoPE's pairs together (one row: even
+    BLOCK_N dividing head_dim; more: an even COLS)."""
+    if not (GEMV_ROPE if rows == 1 else ROWS_ROPE) or not linear_rows_wins(rows, *weight.shape) \
+            or weight.shape[0] % head_dim:
         return False
-    block_n, _, split, _, _ = linear_rows_config(rows, *weight.shape)
-    return split == 1 and block_n % 2 == 0 and head_dim % block_n == 0 and weight.shape[0] % head_dim == 0
+    cols, _, split, _, _ = linear_rows_config(rows, *weight.shape, can_split=False)
+    return split == 1 and cols % 2 == 0 and (rows > 1 or head_dim % cols == 0)
 
 
 def linear_rope_store_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
@@ -696,26 +727,35 @@ def linear_rope_store_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 def linear_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
                       sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, n_head: int,
                       n_head_kv: int) -> torch.Tensor:
-    """rope_store(linear_rows(x, weight, bias), ...) for one row in one launch (gemv_rope_fits): the
-    GEMV's epilogue rotates q and k and writes q [1, n_head, D] (returned) and k, v to the cache slot."""
-    n, k = weight.shape
+    """rope_store(linear_rows(x, weight, bias), ...) in one launch (rope_in_matmul_fits): the matmul's
+    epilogue rotates q and k and writes q [rows, n_head, D] (returned) and k, v to the rows' cache slots;
+    one row runs the GEMV, more _linear_rows_kernel."""
+    rows, n, k = x.shape[0], *weight.shape
     D = cache.shape[-1]
-    if x.shape != (1, k) or n != (n_head + 2 * n_head_kv) * D:
+    if x.shape != (rows, k) or not 0 < rows <= LINEAR_ROWS_MAX or n != (n_head + 2 * n_head_kv) * D:
         raise ValueError(f"linear_rope_store: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"{n_head}+2*{n_head_kv} heads of {D}")
-    block_n, block_k, split, warps, stages = linear_rows_config(1, n, k)
-    if split != 1 or block_n % 2 or D % block_n:
-        raise ValueError(f"linear_rope_store: config {(block_n, block_k, split)} does not pair within heads of {D}")
-    q = torch.empty(1, n_head, D, dtype=x.dtype, device=x.device)
-    units = n // block_n
-    progs = min(units, _gemv_programs(x.device))
+    cols, block_k, split, warps, stages = linear_rows_config(rows, n, k, can_split=False, device=x.device)
+    if split != 1 or cols % 2 or (rows == 1 and D % cols):
+        raise ValueError(f"linear_rope_store: config {(cols, block_k, split)} does not pair within heads of {D}")
+    q = torch.empty(rows, n_head, D, dtype=x.dtype, device=x.device)
     k_tiles = triton.cdiv(k, block_k)
-    _gemv_kernel[(progs,)](x, weight, x if bias is None else bias, q, n, k, k_tiles * block_k, units, cos, sin, slots,
-                           cache, cache, cache.stride(0), ITERS=triton.cdiv(units, progs) * k_tiles, K_TILES=k_tiles,
-                           SPLIT=1, HAS_BIAS=bias is not None, SILU=False,
-                           PARTIALS=False, EVEN=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, ROPE_D=D,
-                           H_Q=n_head, H_KV=n_head_kv, num_warps=warps, num_stages=stages,
-                           LINES=pdl.lines(block_k, weight), **pdl.launch_args(x.device, 1))
+    gdc = pdl.launch_args(x.device, rows)
+    common = dict(HAS_BIAS=bias is not None, SILU=False, PARTIALS=False, BLOCK_K=block_k, ROPE_D=D, H_Q=n_head,
+                  H_KV=n_head_kv, num_warps=warps, num_stages=stages, LINES=pdl.lines(block_k, weight), **gdc)
+    if rows == 1:
+        units = n // cols
+        progs = min(units, _gemv_programs(x.device))
+        _gemv_kernel[(progs,)](x, weight, x if bias is None else bias, q, n, k, k_tiles * block_k, units, cos, sin,
+                               slots, cache, cache, cache.stride(0), ITERS=triton.cdiv(units, progs) * k_tiles,
+                               K_TILES=k_tiles, SPLIT=1, EVEN=k % block_k == 0, BLOCK_N=cols, **common)
+    else:
+        r_main, r_tail = _row_tiles(cols)
+        _linear_rows_kernel[(triton.cdiv(n, cols), 1)](
+            x, weight, x if bias is None else bias, q, rows, n, k, k_tiles * block_k, k, cos, sin, slots, cache, cache,
+            cache.stride(0), K_TILES=k_tiles, COLS=cols, R_MAIN=r_main, R_TAIL=r_tail, PAIR=False,
+            EVEN_K=k % block_k == 0, IEEE=weight.dtype == torch.float32, ROWS_P=max(16, triton.next_power_of_2(rows)),
+            **common)
     return q
 
 

@@ -255,9 +255,9 @@ class TransformerLM(nn.Module):
         x = self.embed(tokens).view(rows, c.d_model)
         cos, sin = cos.reshape(rows, -1), sin.reshape(rows, -1)
         h, x = fused.add_rmsnorm(x, None, self.layers[0].attn_norm.weight, c.norm_eps)
-        rope_in_gemv = use["wqkv"] and fused.gemv_rope_fits(rows, blk.wqkv.weight, c.head_dim)
+        rope_in_matmul = use["wqkv"] and fused.rope_in_matmul_fits(rows, blk.wqkv.weight, c.head_dim)
         for i, layer in enumerate(self.layers):
-            if rope_in_gemv:   # one launch: the GEMV's epilogue rotates and writes the cache
+            if rope_in_matmul:   # one launch: the matmul's epilogue rotates and writes the cache
                 q = fused.linear_rope_store(h, layer.wqkv.weight, layer.wqkv.bias, cos, sin, cache[i], slots,
                                             c.n_head, c.n_head_kv)
             else:

@@ -700,10 +700,13 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: t
 
 GEMV_ROPE = 0   # 1: a one-token step's wqkv GEMV also does RoPE and the cache writes (linear_rope_store): one
                 # launch a layer fewer. Off: on the H200 (2026-12-02, docs/BENCHMARKS.md ninth session) the
-                # 1 x 1 replay went 1.517 -> 1.504 ms (-0.9 %, the epilogue takes back most of what the launch cost)
+                # 1 x 1 replay went 1.517 -> 1.504 ms (-0.9 %, the epilogue takes back most of what the launch cost);
+                # round-robin in the thirteenth session, +3.1 % (slower)
 
 
-ROWS_ROPE = 0   # 1: from two rows on (steps where linear_rows serves wqkv) its epilogue does RoPE and the cache writes
+ROWS_ROPE = 1   # from two rows on (steps where linear_rows serves wqkv) its epilogue does RoPE and the cache writes
+                # (0: rope_store's own launch). H200, 2026-12-02, round-robin replays: 1 x 16 -2.5 %, 8 x 1 -0.3 %;
+                # the other cells do not use it (within 0.2 %)
 
 
 def rope_in_matmul_fits(rows: int, weight: torch.Tensor, head_dim: int) -> bool:

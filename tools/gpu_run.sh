@@ -56,11 +56,12 @@ case $phase in
     # (earlier variants, TREE_SPLIT, GEMV_ROPE, MOVE_ROWS_KERNEL, TARGET_PROGRAMS, PDL, lost or were adopted:
     # docs/BENCHMARKS.md; the twelfth session's, timed round-robin: TARGET_PROGRAMS=192, SILU_BLOCK=4096,
     # NORM_WARPS=4 and the attention's registers capped at 128, none a gain beyond that run's 0.4 % noise.)
-    # Pending: RoPE and the cache writes in the wqkv matmul's epilogue at 2-16 rows (ROWS_ROPE=1), also at one row
-    # (GEMV_ROPE=1); half the key splits at 1 x 16 and 1 x 64 (MIN_SPLIT_KEYS=256).
+    # The thirteenth session's, round-robin: the small-rows matmul table, linear_silu from one row on (LINEAR_SILU_ROWS=1)
+    # and RoPE in the wqkv matmul at 2-16 rows (ROWS_ROPE=1) adopted; GEMV_ROPE=1, MIN_SPLIT_KEYS=256,
+    # SMALL_ROWS_AUTO=1 (with and without PDL=64) and TARGET_PROGRAMS=96 lost. No candidate is pending: the phase
+    # times the defaults; add a variant as 'triton,triton!KNOB=V'.
     EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,capacity,mixed,hf,matmuls \
-      --checks kernel,engine,gemv_rope,rows_rope --trees 1,16,64 \
-      --attention 'triton,triton!ROWS_ROPE=1,triton!GEMV_ROPE=1:ROWS_ROPE=1,triton!MIN_SPLIT_KEYS=256' \
+      --checks kernel,engine,gemv_rope,rows_rope --trees 1,16,64 --attention 'triton' \
       "${ITERS[@]}" --out "$OUT/variants.json" \
       && python3 tools/pick_knobs.py "$OUT/variants.json" --env "$OUT/knobs.env" && cp "$OUT/knobs.env" "$KNOBS_FILE"
     ;;

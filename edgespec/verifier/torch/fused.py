@@ -1,22 +1,24 @@
 """Fused small ops for the GPU forward (Triton): at one token per sequence a step is ~45 tiny
 kernels per layer when each torch op is its own launch, which costs more than the weights take to
-read. These kernels cut a layer to ten launches: add+RMSNorm, QKV matmul, RoPE+cache write,
-attention (2), output matmul, add+RMSNorm, gate/up matmul, SiLU*up, down matmul.
+read. These kernels cut a layer to eight launches at up to 64 token rows: add+RMSNorm, QKV matmul
+with RoPE and the cache writes in its epilogue (a separate rope_store launch for one row), attention
+(2), output matmul, add+RMSNorm, gate/up matmul with SiLU*up in its epilogue (linear_silu), down matmul.
 
 Each function here has a torch reference with the same signature (`*_torch`), used on the CPU (where
 the float32 path must stay the exact reference) and by the tests, which run the Triton versions in
 Triton's CPU interpreter against them. All arithmetic is float32; outputs are rounded once to the
 model dtype.
 
-`linear_rows` / `linear_rows_partials`: a skinny matmul for few rows (B*T <= 64), where cuBLAS picks
-split-K kernels that take 3-5x the time the weight bytes need. Each program owns BLOCK_N output
-columns and streams its weight rows once; where N / BLOCK_N gives too few programs to fill the GPU,
-K is split across programs too and the float32 partials [SPLIT, rows, N] are summed by whoever
-reads them next: add_rmsnorm (wo and w2 feed the residual add), so a split costs no extra launch.
-One row (a verify step of one token) is a GEMV with its own persistent kernel (_gemv_kernel): a
-fixed grid of programs that each stream several (column block, K slice) units with the next tile's
-loads always in flight. Block sizes come from a static table per weight shape (LINEAR_ROWS_TABLE),
-not triton.autotune (autotuning inside a CUDA-graph capture would run the candidates into the graph).
+`linear_rows` / `linear_rows_partials` / `linear_silu` / `linear_rope_store`: a skinny matmul for few
+rows (B*T <= 64), where cuBLAS picks kernels that take 1.5-5x the time the weight bytes need. Each
+program owns COLS output columns (any count: every SM gets an equal share of the weight, one program
+per SM) and streams its weight rows once; where the columns alone give too few programs, K is split
+across programs too and the float32 partials [SPLIT, rows, N] are summed by whoever reads them next:
+add_rmsnorm (wo and w2 feed the residual add), so a split costs no extra launch. One row (a verify
+step of one token) is a GEMV with its own persistent kernel (_gemv_kernel): a fixed grid of programs
+that each stream several (column block, K slice) units with the next tile's loads always in flight.
+Configs come from a static table per weight shape (LINEAR_ROWS_TABLE), not triton.autotune
+(autotuning inside a CUDA-graph capture would run the candidates into the graph).
 """
 from __future__ import annotations
 

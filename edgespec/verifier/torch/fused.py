@@ -516,11 +516,11 @@ SMALL_ROWS_AUTO = 0   # 1: where LINEAR_ROWS_TABLE says cuBLAS (None), run linea
                       # (and the gate/up matrix as linear_silu): for benchmarks that A/B the balanced shares.
                       # Off: on the H200 (2026-12-02) the steps were 4-23 % slower with every matrix on it
 LINEAR_SILU_ROWS = 1    # gate/up runs as linear_silu (where the table has a config) from this many rows on, F.linear
-                        # below. In the steps on the H200 (2026-12-02, round-robin) linear_silu lost at 1 and 16 rows
-                        # (+1.2 %, +2.3 %) with a config that let several programs share an SM, and won at 64 (-13 %
-                        # against w2's SiLU load). Each program holds an equal share of the weight, so two on one SM
-                        # (the scheduler's choice while PDL overlaps kernels) make that SM the tail; the table's
-                        # configs now take enough shared memory for one program per SM
+                        # below. On the H200 (2026-12-02, round-robin steps) it first lost at 1 and 16 rows (+1.2 %,
+                        # +2.3 %) with a config that let several programs share an SM (likely, not profiled: an SM
+                        # given two equal shares while PDL overlaps kernels is the tail), and won at 64 (-13 % against
+                        # w2's SiLU load). With the table's configs, whose shared memory fits one program per SM, it
+                        # won at 1 x 1, 1 x 16 and 8 x 1 too (-1.5 / -3.3 / -3.8 %)
 
 
 def _table_entry(rows: int, n: int, k: int) -> tuple[bool, tuple[int, int, int, int, int] | None]:

@@ -243,7 +243,8 @@ if triton is not None:
                             ROPE_D: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr):
         """out^T [cols, rows] = W[cols, k-slice] @ x^T[k-slice, rows] for program pid0's COLS output
         columns (any count: the GPU's SMs get an equal share, not whole power-of-two blocks, whose last
-        wave left a third of them idle) and the K slice [pid1 * k_split, +k_split). The share is a
+        wave left most of them idle: 280 blocks of gate/up on 132 SMs) and the K slice [pid1 * k_split,
+        +k_split). The share is a
         power-of-two tile of R_MAIN rows plus one of R_TAIL (0: none) for the rest, both fed by the same
         x tile. Each weight element is read once by one program; x (rows padded to ROWS_P >= 16 for
         tl.dot) comes from L2. SILU: X is gate/up [rows, 2K] and the input is silu(gate) * up (what

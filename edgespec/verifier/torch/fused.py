@@ -22,6 +22,8 @@ Configs come from a static table per weight shape (LINEAR_ROWS_TABLE), not trito
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -200,6 +202,15 @@ if triton is not None:
         return col, col, ok
 
     @triton.jit
+    def _row_pairs(acc, col, ok, R: tl.constexpr, ROWS_P: tl.constexpr):
+        """A tile whose rows come in pairs (PAIR: gate, up; ROPE_D: d, d + D/2) split into the first and
+        second row of each pair [R/2, ROWS_P], with the first row's output column and validity [R/2]."""
+        first, second = tl.split(tl.permute(tl.reshape(acc, [R // 2, 2, ROWS_P]), (0, 2, 1)))
+        c, _ = tl.split(tl.reshape(col, [R // 2, 2]))
+        c_ok, _ = tl.split(tl.reshape(ok.to(tl.int32), [R // 2, 2]))
+        return first, second, c, c_ok != 0
+
+    @triton.jit
     def _rows_store(acc, col, ok, O, Bias, split, r, r_ok, rows, N, Cos, Sin, Slots, KC, VC, v_offset,
                     HAS_BIAS: tl.constexpr, PAIR: tl.constexpr, PARTIALS: tl.constexpr, R: tl.constexpr,
                     ROWS_P: tl.constexpr, ROPE_D: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr):
@@ -209,11 +220,8 @@ if triton is not None:
         if ROPE_D > 0:
             if HAS_BIAS:
                 acc += tl.load(Bias + col, mask=ok, other=0.0).to(tl.float32)[:, None]
-            x1, x2 = tl.split(tl.permute(tl.reshape(acc.to(O.dtype.element_ty).to(tl.float32), [R // 2, 2, ROWS_P]),
-                                         (0, 2, 1)))
-            c, _ = tl.split(tl.reshape(col, [R // 2, 2]))
-            c_ok, _ = tl.split(tl.reshape(ok.to(tl.int32), [R // 2, 2]))
-            m = (c_ok != 0)[:, None] & r_ok[None, :]
+            x1, x2, c, c_ok = _row_pairs(acc.to(O.dtype.element_ty).to(tl.float32), col, ok, R, ROWS_P)
+            m = c_ok[:, None] & r_ok[None, :]
             d = (c % ROPE_D)[:, None]
             cs = tl.load(Cos + r[None, :] * (ROPE_D // 2) + d, mask=m, other=0.0)
             sn = tl.load(Sin + r[None, :] * (ROPE_D // 2) + d, mask=m, other=0.0)
@@ -221,12 +229,10 @@ if triton is not None:
             _rotate_and_store(x1, x2, cs, sn, (c // ROPE_D)[:, None], d, r[None, :], slot, KC, VC, O, v_offset, m,
                               H_Q, H_KV, ROPE_D)
         elif PAIR:   # gate and up rounded as a matmul writes them, then silu(gate) * up as silu_mul writes it
-            gate, up = tl.split(tl.permute(tl.reshape(acc, [R // 2, 2, ROWS_P]), (0, 2, 1)))
+            gate, up, c, c_ok = _row_pairs(acc, col, ok, R, ROWS_P)
             dt = O.dtype.element_ty
             y = _silu_times(gate.to(dt), up.to(dt))
-            c, _ = tl.split(tl.reshape(col, [R // 2, 2]))
-            c_ok, _ = tl.split(tl.reshape(ok.to(tl.int32), [R // 2, 2]))
-            tl.store(O + r[None, :] * N + c[:, None], y.to(dt), mask=(c_ok != 0)[:, None] & r_ok[None, :])
+            tl.store(O + r[None, :] * N + c[:, None], y.to(dt), mask=c_ok[:, None] & r_ok[None, :])
         elif PARTIALS:
             tl.store(O + (split * rows + r[None, :]) * N + col[:, None], acc, mask=ok[:, None] & r_ok[None, :])
         else:
@@ -244,9 +250,8 @@ if triton is not None:
         """out^T [cols, rows] = W[cols, k-slice] @ x^T[k-slice, rows] for program pid0's COLS output
         columns (any count: the GPU's SMs get an equal share, not whole power-of-two blocks, whose last
         wave left most of them idle: 280 blocks of gate/up on 132 SMs) and the K slice [pid1 * k_split,
-        +k_split). The share is a
-        power-of-two tile of R_MAIN rows plus one of R_TAIL (0: none) for the rest, both fed by the same
-        x tile. Each weight element is read once by one program; x (rows padded to ROWS_P >= 16 for
+        +k_split). The share is a power-of-two tile of R_MAIN rows plus one of R_TAIL (0: none) for the
+        rest, both fed by the same x tile. Each weight element is read once by one program; x (rows padded to ROWS_P >= 16 for
         tl.dot) comes from L2. SILU: X is gate/up [rows, 2K] and the input is silu(gate) * up (what
         silu_mul writes). PAIR: W is gate/up stacked [2N, K] and the output silu(gate) * up [rows, N]
         (no gate/up tensor, no silu_mul launch). PARTIALS: float32 [SPLIT, rows, N]; else the bias is
@@ -609,10 +614,23 @@ def _gemv_programs(device: torch.device) -> int:
     return GEMV_PROGRAMS_PER_SM * _sms(device)
 
 
+class _Rope(NamedTuple):
+    """Where linear_rope_store's epilogue reads RoPE's tables and writes q, k and v (rope_store's arguments)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cache: torch.Tensor
+    slots: torch.Tensor
+    n_head: int
+    n_head_kv: int
+
+
 def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
-                        partials: bool, cfg: tuple[int, int, int, int, int] | None, pair: bool = False) -> torch.Tensor:
+                        partials: bool, cfg: tuple[int, int, int, int, int] | None, pair: bool = False,
+                        rope: _Rope | None = None) -> torch.Tensor:
     """One row: the persistent GEMV (_gemv_kernel); more, or pair: _linear_rows_kernel. A K split writes
-    float32 partials, returned as they are (partials) or summed, with the bias, by one more launch."""
+    float32 partials, returned as they are (partials) or summed, with the bias, by one more launch. With
+    rope, the epilogue rotates and stores (linear_rope_store) and q [rows, n_head, D] is returned."""
     rows = x.shape[0]
     n, k = weight.shape
     n_out = n // 2 if pair else n
@@ -629,37 +647,39 @@ def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     split = triton.cdiv(k, k_split)
     if pair and split > 1:
         raise ValueError(f"linear_silu: config {cfg} splits K; SiLU needs whole sums")
+    D = rope.cache.shape[-1] if rope else 0
+    if rope and (split != 1 or cols % 2 or (gemv and D % cols)):
+        raise ValueError(f"linear_rope_store: config {(cols, block_k, split)} does not pair within heads of {D}")
     to_partials = partials or split > 1
-    if to_partials:
-        out = torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
+    if rope:
+        out = torch.empty(rows, rope.n_head, D, dtype=x.dtype, device=x.device)
+        epilogue = (rope.cos, rope.sin, rope.slots, rope.cache, rope.cache, rope.cache.stride(0))
     else:
-        out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
-    has_bias = bias is not None and not to_partials
-    gdc = pdl.launch_args(x.device, rows)
+        out = (torch.empty(split, rows, n, dtype=torch.float32, device=x.device) if to_partials
+               else torch.empty(rows, n_out, dtype=x.dtype, device=x.device))
+        epilogue = (x, x, x, x, x, 0)   # no RoPE: placeholders
+    common = dict(HAS_BIAS=bias is not None and not to_partials, SILU=silu, PARTIALS=to_partials, BLOCK_K=block_k,
+                  ROPE_D=D, H_Q=rope.n_head if rope else 0, H_KV=rope.n_head_kv if rope else 0, num_warps=warps,
+                  num_stages=stages, LINES=pdl.lines(block_k, weight), **pdl.launch_args(x.device, rows))
     if gemv:
         units = triton.cdiv(n, cols) * split
         progs = min(units, _gemv_programs(x.device))
-        _gemv_kernel[(progs,)](x, weight, x if bias is None else bias, out, n, k, k_split, units, x, x, x, x, x, 0,
+        _gemv_kernel[(progs,)](x, weight, x if bias is None else bias, out, n, k, k_split, units, *epilogue,
                                ITERS=triton.cdiv(units, progs) * (k_split // block_k), K_TILES=k_split // block_k,
-                               SPLIT=split, HAS_BIAS=has_bias, SILU=silu, PARTIALS=to_partials,
-                               EVEN=n % cols == 0 and k % k_split == 0, BLOCK_N=cols, BLOCK_K=block_k, ROPE_D=0,
-                               H_Q=0, H_KV=0, num_warps=warps, num_stages=stages, LINES=pdl.lines(block_k, weight),
-                               **gdc)
+                               SPLIT=split, EVEN=n % cols == 0 and k % k_split == 0, BLOCK_N=cols, **common)
     else:
         r_main, r_tail = _row_tiles((2 if pair else 1) * cols)
         _linear_rows_kernel[(triton.cdiv(n_out, cols), split)](
-            x, weight, x if bias is None else bias, out, rows, n_out, k, k_split, x.shape[1], x, x, x, x, x, 0,
-            ROPE_D=0, H_Q=0, H_KV=0, K_TILES=k_split // block_k, COLS=cols, R_MAIN=r_main, R_TAIL=r_tail, HAS_BIAS=has_bias, SILU=silu,
-            PAIR=pair, PARTIALS=to_partials, EVEN_K=k % k_split == 0, IEEE=weight.dtype == torch.float32,
-            ROWS_P=max(16, triton.next_power_of_2(rows)), BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-            LINES=pdl.lines(block_k, weight), **gdc)
+            x, weight, x if bias is None else bias, out, rows, n_out, k, k_split, x.shape[1], *epilogue,
+            K_TILES=k_split // block_k, COLS=cols, R_MAIN=r_main, R_TAIL=r_tail, PAIR=pair, EVEN_K=k % k_split == 0,
+            IEEE=weight.dtype == torch.float32, ROWS_P=max(16, triton.next_power_of_2(rows)), **common)
     if partials or split == 1:
         return out
     summed = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     blk = min(1024, triton.next_power_of_2(n))
     _sum_partials_kernel[(rows, triton.cdiv(n, blk))](out, out if bias is None else bias, summed, rows, n,
                                                      PARTS=split, HAS_BIAS=bias is not None, BLOCK=blk, num_warps=4,
-                                                     **gdc)
+                                                     **pdl.launch_args(x.device, rows))
     return summed
 
 
@@ -736,33 +756,12 @@ def linear_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """rope_store(linear_rows(x, weight, bias), ...) in one launch (rope_in_matmul_fits): the matmul's
     epilogue rotates q and k and writes q [rows, n_head, D] (returned) and k, v to the rows' cache slots;
     one row runs the GEMV, more _linear_rows_kernel."""
-    rows, n, k = x.shape[0], *weight.shape
-    D = cache.shape[-1]
-    if x.shape != (rows, k) or not 0 < rows <= LINEAR_ROWS_MAX or n != (n_head + 2 * n_head_kv) * D:
+    n, k = weight.shape
+    if x.shape[1:] != (k,) or n != (n_head + 2 * n_head_kv) * cache.shape[-1]:
         raise ValueError(f"linear_rope_store: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
-                         f"{n_head}+2*{n_head_kv} heads of {D}")
-    cols, block_k, split, warps, stages = linear_rows_config(rows, n, k, can_split=False, device=x.device)
-    if split != 1 or cols % 2 or (rows == 1 and D % cols):
-        raise ValueError(f"linear_rope_store: config {(cols, block_k, split)} does not pair within heads of {D}")
-    q = torch.empty(rows, n_head, D, dtype=x.dtype, device=x.device)
-    k_tiles = triton.cdiv(k, block_k)
-    gdc = pdl.launch_args(x.device, rows)
-    common = dict(HAS_BIAS=bias is not None, SILU=False, PARTIALS=False, BLOCK_K=block_k, ROPE_D=D, H_Q=n_head,
-                  H_KV=n_head_kv, num_warps=warps, num_stages=stages, LINES=pdl.lines(block_k, weight), **gdc)
-    if rows == 1:
-        units = n // cols
-        progs = min(units, _gemv_programs(x.device))
-        _gemv_kernel[(progs,)](x, weight, x if bias is None else bias, q, n, k, k_tiles * block_k, units, cos, sin,
-                               slots, cache, cache, cache.stride(0), ITERS=triton.cdiv(units, progs) * k_tiles,
-                               K_TILES=k_tiles, SPLIT=1, EVEN=k % block_k == 0, BLOCK_N=cols, **common)
-    else:
-        r_main, r_tail = _row_tiles(cols)
-        _linear_rows_kernel[(triton.cdiv(n, cols), 1)](
-            x, weight, x if bias is None else bias, q, rows, n, k, k_tiles * block_k, k, cos, sin, slots, cache, cache,
-            cache.stride(0), K_TILES=k_tiles, COLS=cols, R_MAIN=r_main, R_TAIL=r_tail, PAIR=False,
-            EVEN_K=k % block_k == 0, IEEE=weight.dtype == torch.float32, ROWS_P=max(16, triton.next_power_of_2(rows)),
-            **common)
-    return q
+                         f"{n_head}+2*{n_head_kv} heads of {cache.shape[-1]}")
+    return _linear_rows_launch(x, weight, bias, False, False, None,
+                               rope=_Rope(cos, sin, cache, slots, n_head, n_head_kv))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -236,7 +236,7 @@ class TransformerLM(nn.Module):
 
     def _forward_fused(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                        cache: torch.Tensor, attend: Attention, logits: bool) -> torch.Tensor | None:
-        """The same forward with fused.py's Triton kernels: ten launches per layer (the residual
+        """The same forward with fused.py's Triton kernels: eight to ten launches per layer (the residual
         add is folded into the next RMSNorm, the last one into the final norm). With small_rows_matmul >= B*T,
         the matmuls for which fused.LINEAR_ROWS_TABLE has a config (measured faster than cuBLAS there)
         are fused.linear_rows: the split-K partials of wo and w2 are summed by the add_rmsnorm that reads

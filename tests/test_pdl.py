@@ -1,6 +1,6 @@
 """Programmatic dependent launch (pdl.py): every Triton kernel of the verifier's forward, compiled for
 an H100/H200 (sm_90) with the launch path the forward uses, carries the wait and the early launch
-with PDL on, and nothing touches memory before the wait but L2 prefetches of weights: no store (a
+with PDL on (or the launch where knob TRIGGER puts it), and nothing touches memory before the wait but L2 prefetches of weights: no store (a
 kernel that still runs may read what this one overwrites) and no load. Triton's own compiler and ptxas run on this CPU machine; the
 launches are intercepted (no GPU here), so the arguments are exactly those the wrappers pass.
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -20,6 +21,8 @@ pytest.importorskip("triton")
 
 from edgespec.verifier.torch import knobs, pdl  # noqa: E402
 
+# global-memory reads in PTX: plain loads and the asynchronous copies of pipelined loops
+LOADS = ("ld.global", "cp.async")
 # kernels whose programs ask L2 for their first weight lines before the wait
 PREFETCH = {"_add_rmsnorm_kernel", "_gemv_kernel", "_linear_rows_kernel"}
 
@@ -36,15 +39,16 @@ def test_pdl_is_a_knob_and_stays_off_without_a_gpu_that_has_it():
     assert pdl.triton_has_pdl()   # the pinned Triton (constraints/ci.txt) has it: the GPU host runs the same
 
 
-def _probe(gdc: bool) -> dict[str, dict]:
-    out = subprocess.run([sys.executable, __file__, "1" if gdc else "0"], capture_output=True, text=True, timeout=600,
+def _probe(gdc: int) -> dict[str, dict]:
+    """Compile every forward kernel as launched with GDC = `gdc` (0: PDL off; 1 + pdl.TRIGGER)."""
+    out = subprocess.run([sys.executable, __file__, str(int(gdc))], capture_output=True, text=True, timeout=600,
                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_every_forward_kernel_waits_before_touching_what_earlier_kernels_write():
-    found = _probe(True)
+    found = _probe(1)
     assert set(found) == {"_add_rmsnorm_kernel", "_gemv_kernel", "_linear_rows_kernel", "_sum_partials_kernel",
                           "_rope_store_kernel", "_silu_mul_kernel", "_top2_chunks_kernel", "_top2_merge_kernel",
                           "_tree_attn_split", "_tree_attn_merge"}
@@ -56,14 +60,32 @@ def test_every_forward_kernel_waits_before_touching_what_earlier_kernels_write()
         assert (seen["prefetches_before_wait"] > 0) == (name in PREFETCH), (name, seen)
 
 
+def test_a_late_trigger_moves_the_launch_after_the_main_loop():
+    """TRIGGER 1: the matmul and attention kernels let the next kernel launch once their main loop is done
+    (after the wait, after their last weight/key load of the loop); the other kernels at their exit (no
+    instruction). TRIGGER 2: every kernel at its exit."""
+    with knobs.override({"TRIGGER": 1}):
+        assert pdl.gdc_mode() == 2
+    with knobs.override({"TRIGGER": 2}):
+        assert pdl.gdc_mode() == 3
+    with knobs.override({"TRIGGER": 3}), pytest.raises(ValueError, match="TRIGGER"):
+        pdl.gdc_mode()
+    released = {"_linear_rows_kernel", "_tree_attn_split"}
+    for name, seen in _probe(2).items():
+        assert seen["wait"] == 1 and seen["stores_before_wait"] == 0 and seen["loads_before_wait"] == 0, (name, seen)
+        assert seen["launch_dependents"] == (name in released), (name, seen)
+        if name in released:
+            assert seen["launch_after_wait"] and seen["loads_after_launch"] < seen["loads_after_wait"], (name, seen)
+
+
 def test_with_pdl_off_the_kernels_compile_without_it():
-    for name, seen in _probe(False).items():
+    for name, seen in _probe(0).items():
         assert not seen["launch_pdl"] and seen["wait"] == 0 and seen["launch_dependents"] == 0, (name, seen)
         assert seen["prefetches"] == 0, (name, seen)
 
 
 # -- the child: run the wrappers on CPU tensors, compile each launch for sm_90, read its PTX --------------
-def _compile_launches(gdc: bool) -> dict[str, dict]:
+def _compile_launches(gdc: int) -> dict[str, dict]:
     import inspect
 
     import torch
@@ -112,24 +134,31 @@ def _compile_launches(gdc: bool) -> dict[str, dict]:
                     attrs[(i,)] = [["tt.divisibility", 16]]
             compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                                       target=GPUTarget("cuda", 90, 32), options=options)
-            lines = [ln.strip() for ln in compiled.asm["ptx"].splitlines()]
+            # instructions without their guard predicate ("@%p1 ld.global..." counts as a load too)
+            lines = [re.sub(r"^@!?%\w+\s+", "", ln.strip()) for ln in compiled.asm["ptx"].splitlines()]
             waits = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")]
+            launches = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.launch_dependents")]
             before = lines[:waits[0]] if waits else []
+            after_wait = lines[waits[0]:] if waits else []
+            after_launch = lines[launches[0]:] if launches else []
             found[fn.__name__] = {
                 "launch_pdl": bool(options.get("launch_pdl", False)),
                 "wait": len(waits),
                 "launch_dependents": sum(ln.startswith("griddepcontrol.launch_dependents") for ln in lines),
-                "loads_before_wait": sum(ln.startswith("ld.global") for ln in before),
+                "loads_before_wait": sum(ln.startswith(LOADS) for ln in before),
                 "prefetches_before_wait": sum(ln.startswith("prefetch.global.L2") for ln in before),
                 "prefetches": sum(ln.startswith("prefetch.global.L2") for ln in lines),
                 "stores_before_wait": sum(ln.startswith(("st.global", "red.", "atom.")) for ln in before),
+                "launch_after_wait": bool(waits and launches and launches[0] > waits[0]),
+                "loads_after_wait": sum(ln.startswith(LOADS) for ln in after_wait),
+                "loads_after_launch": sum(ln.startswith(LOADS) for ln in after_launch),
             }
 
     for module in (fused, triton_attention):
         for name, value in list(vars(module).items()):
             if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith(("_kernel", "_split", "_merge")):
                 setattr(module, name, Recorder(value))
-    pdl.launch_args = lambda device, rows: {"GDC": True, "launch_pdl": True} if gdc else {"GDC": False}
+    pdl.launch_args = lambda device, rows: {"GDC": gdc, "launch_pdl": True} if gdc else {"GDC": False}
 
     bf = torch.bfloat16
     d, f, heads, kv_heads, hd = 1536, 8960, 12, 2, 128
@@ -160,4 +189,4 @@ def _compile_launches(gdc: bool) -> dict[str, dict]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_compile_launches(sys.argv[1] == "1")))
+    print(json.dumps(_compile_launches(int(sys.argv[1]))))

@@ -282,8 +282,9 @@ def check_move_rows() -> dict:
 def check_pdl(context: int = 300) -> dict:
     """pdl.PDL (programmatic dependent launch) against plain launches: random bf16 weights of the
     Qwen2.5-1.5B shape, the same verify steps through CUDA graphs (B x T = 1 x 1, 4 x 16, 1 x 64, three
-    rounds each). The kernels are the same code with a wait at their start, so logits and decisions must
-    be bit-identical; a kernel reading before its producer's writes are visible would show here."""
+    rounds each), with the next kernel's launch at each place pdl.TRIGGER can put it. The kernels are the
+    same code with a wait at their start, so logits and decisions must be bit-identical; a kernel reading
+    before its producer's writes are visible would show here."""
     model = TransformerLM.random(ModelConfig.qwen2_1_5b(), dtype=torch.bfloat16, device="cuda", seed=6,
                                  max_positions=context + 256)
     rng = np.random.default_rng(6)
@@ -291,8 +292,9 @@ def check_pdl(context: int = 300) -> dict:
     rounds = [(B, [(rng.integers(0, 151936, size=T).tolist(), random_parents(T, rng)) for _ in range(B)])
               for B, T in ((1, 1), (4, 16), (1, 64)) for _ in range(3)]
     runs = []
-    for on in (0, 1 << 20):   # PDL off, then on for every launch (the knob is a row bound)
-        with kernel_knobs.override({"PDL": on}):
+    settings = [{"PDL": 0}] + [{"PDL": 1 << 20, "TRIGGER": t} for t in (0, 1, 2)]   # off, then on for every launch
+    for knob_values in settings:
+        with kernel_knobs.override(knob_values):
             engine = Engine(model, num_blocks=4 * (-(-(context + 256) // 16)) + 8, block_size=16, cuda_graphs=True)
             seqs = [engine.new_sequence() for _ in prompts]
             for s, p in zip(seqs, prompts):
@@ -305,10 +307,11 @@ def check_pdl(context: int = 300) -> dict:
                 logits.append(torch.cat([got[b, :len(t)] for b, (t, _) in enumerate(trees)]).float().clone())
             runs.append((decided, logits, engine.stats["captures"]))
             del engine
-    (d0, l0, c0), (d1, l1, c1) = runs
-    return {"steps": len(rounds), "captures": [c0, c1], "same_decisions": d0 == d1,
-            "bit_identical_logits": all(torch.equal(a, b) for a, b in zip(l0, l1)),
-            "max_logit_diff": max(float((a - b).abs().max()) for a, b in zip(l0, l1))}
+    (d0, l0, _), *with_pdl = runs
+    return {"steps": len(rounds), "settings": settings, "captures": [c for _, _, c in runs],
+            "same_decisions": all(d == d0 for d, _, _ in with_pdl),
+            "bit_identical_logits": all(torch.equal(a, b) for _, l1, _ in with_pdl for a, b in zip(l0, l1)),
+            "max_logit_diff": max(float((a - b).abs().max()) for _, l1, _ in with_pdl for a, b in zip(l0, l1))}
 
 
 def check_compaction() -> dict:

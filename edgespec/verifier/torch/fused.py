@@ -33,7 +33,7 @@ try:
     import triton
     import triton.language as tl
 
-    from edgespec.verifier.torch.pdl import gdc_enter, prefetch_l2
+    from edgespec.verifier.torch.pdl import gdc_enter, gdc_release, prefetch_l2
 except ImportError:  # pragma: no cover - CPU installs without triton use the torch versions
     triton = None
 
@@ -300,6 +300,7 @@ if triton is not None:
                     acc_tail = tl.dot(w, xt, acc_tail, input_precision="ieee")
                 else:
                     acc_tail = tl.dot(w, xt, acc_tail)
+        gdc_release(GDC)
         _rows_store(acc_main, col_main, ok_main, O, Bias, split, r, r_ok, rows, N, Cos, Sin, Slots, KC, VC, v_offset,
                     HAS_BIAS, PAIR, PARTIALS, R_MAIN, ROWS_P, ROPE_D, H_Q, H_KV)
         if R_TAIL > 0:

@@ -7,7 +7,8 @@ data no earlier kernel writes (weights, prefetch_l2), and then wait (griddepcont
 previous kernel has finished and its writes are visible. Every kernel here waits before it reads
 anything an earlier kernel writes and before it writes anything (so no earlier kernel can read a value
 it overwrites), then lets the next kernel launch (griddepcontrol.launch_dependents): one kernel of
-lookahead, never a chain of waiting grids. Kernels that are not Triton's (cuBLAS, torch ops) launch
+lookahead, never a chain of waiting grids. Knob TRIGGER moves that launch later (after the main loop, or to
+the kernel's exit), so that waiting programs of the next kernel do not hold SMs this one still needs. Kernels that are not Triton's (cuBLAS, torch ops) launch
 as before; a wait behind one of them simply waits for it to end.
 
 Knob PDL (edgespec.verifier.torch.knobs): the most token rows (B * T of a step) whose kernels launch
@@ -32,6 +33,11 @@ except ImportError:  # pragma: no cover - CPU installs without triton never laun
 PDL = 16  # H200, 2026-12-02, replay against PDL = 0 in one process (docs/BENCHMARKS.md tenth session): 1 x 1
           # -11.6 %, 1 x 16 -5.5 %, 8 x 1 -6.2 %, 1 x 64 / 8 x 16 / 8 x 64 (no PDL there) within 1.3 %; the
           # steps bit-identical to plain launches
+TRIGGER = 0  # where a kernel launched with PDL lets the next one launch: 0 at its start, right after its wait (the
+             # next kernel's programs then sit on SMs, waiting, while this one still has programs to place); 1 once
+             # its main loop is done (gdc_release in the matmul and attention kernels; the others at their exit);
+             # 2 only at its exit. Where the trigger sits never changes what a kernel computes: the next kernel
+             # still waits for this one to finish
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,7 +69,15 @@ def launch_args(device: torch.device, rows: int) -> dict[str, bool]:
     constexpr that compiles the wait in, and launch_pdl, Triton's launch option; both on only for
     0 < rows <= PDL on a GPU that has PDL."""
     on = 0 < rows <= PDL and device.type == "cuda" and _supported(device.index or 0)
-    return {"GDC": True, "launch_pdl": True} if on else {"GDC": False}
+    return {"GDC": gdc_mode(), "launch_pdl": True} if on else {"GDC": False}
+
+
+def gdc_mode() -> int:
+    """The kernels' GDC constexpr with PDL on: 1 + TRIGGER (1: trigger at the start, 2: at gdc_release,
+    3: at exit)."""
+    if TRIGGER not in (0, 1, 2):
+        raise ValueError(f"pdl.TRIGGER is 0, 1 or 2, not {TRIGGER}")
+    return 1 + TRIGGER
 
 
 def lines(elements: int, weight: torch.Tensor) -> int:
@@ -75,10 +89,18 @@ def lines(elements: int, weight: torch.Tensor) -> int:
 if triton is not None:
     @triton.jit
     def gdc_enter(GDC: tl.constexpr):
-        """Wait for the previous kernel (its writes visible), then let the next one launch. Called before
-        a kernel's first read of activations, cache or any buffer an earlier kernel writes."""
+        """Wait for the previous kernel (its writes visible), then (GDC 1: TRIGGER 0) let the next one launch.
+        Called before a kernel's first read of activations, cache or any buffer an earlier kernel writes."""
         if GDC:
             tl.extra.cuda.gdc_wait()
+            if GDC == 1:
+                tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def gdc_release(GDC: tl.constexpr):
+        """With TRIGGER 1 (GDC 2), let the next kernel launch: called where a kernel's main loop is done and
+        only its epilogue is left."""
+        if GDC == 2:
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from edgespec.verifier.torch import pdl
-from edgespec.verifier.torch.pdl import gdc_enter
+from edgespec.verifier.torch.pdl import gdc_enter, gdc_release
 from edgespec.verifier.torch.tree_ops import pack_ancestor_bits
 
 
@@ -164,6 +164,7 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
             blk = _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, True, OFF32)
             m_i, l_i, acc = _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale,
                                   kv_stride_kv, T, W, H_KV, D, BS, BLOCK_N, True)
+    gdc_release(GDC)
     if NSPLIT == 1:   # one split: normalise and write the output here (no merge launch)
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         o_ptr = O + ((b * T + t) * H_Q + h * G + g)[:, None] * D + d[None, :]

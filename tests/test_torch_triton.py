@@ -15,6 +15,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 from edgespec.verifier.torch.tree_attention import TorchPagedAttention, ancestor_mask  # noqa: E402
 from edgespec.verifier.torch.tree_ops import pack_ancestor_bits  # noqa: E402
 from edgespec.verifier.torch.triton_attention import TritonPagedAttention  # noqa: E402
+from edgespec.verifier.torch import knobs  # noqa: E402
 
 
 def test_pack_ancestor_bits():
@@ -60,6 +61,34 @@ def test_triton_kernel_equals_reference(nsplit, m_first, T, tree_split, block_n)
     out = kernel(q, cache)
     for b, n in enumerate(sizes):
         assert torch.allclose(out[b, :n], ref[b, :n], atol=1e-5), float((out[b, :n] - ref[b, :n]).abs().max())
+
+
+def test_fitted_query_tiles_pad_fewer_rows_and_equal_the_reference():
+    """M_TILE_FIT: 96 query rows (T = 16 at 6 query heads per KV head) in three 32-row tiles, not two
+    64-row ones; 384 rows keep 64-row tiles, a handful of rows 16-row ones. The kernel with the fitted
+    tiles gives the reference's output."""
+    attn = TritonPagedAttention.__new__(TritonPagedAttention)
+    with knobs.override({"M_TILE_FIT": 1}):
+        assert [attn.tile_config(r, 256)[0] for r in (6, 48, 96, 384)] == [16, 64, 32, 64]
+    with knobs.override({"M_TILE_FIT": 0}):
+        assert [attn.tile_config(r, 256)[0] for r in (6, 48, 96, 384)] == [16, 64, 64, 64]
+    g = torch.Generator().manual_seed(7)
+    rng = np.random.default_rng(7)
+    B, Hkv, G, D, bs, T = 2, 2, 3, 32, 4, 32
+    cache = torch.randn(2, 80 * bs, Hkv, D, generator=g)
+    ctx = torch.tensor([41, 9])
+    tables = torch.zeros(B, 24, dtype=torch.int64)
+    tables[0, :19] = torch.arange(1, 20)
+    tables[1, :11] = torch.arange(30, 41)
+    anc = torch.stack([torch.from_numpy(ancestor_mask([-1] + [int(rng.integers(0, i)) for i in range(1, T)]))
+                       for _ in range(B)])
+    q = torch.randn(B, T, Hkv * G, D, generator=g)
+    ref = TorchPagedAttention(tables, ctx, anc, bs, G)(q, cache)
+    with knobs.override({"M_TILE_FIT": 1}):
+        kernel = TritonPagedAttention(tables, ctx, anc, bs, G, nsplit=2)
+        assert kernel.launch_config(B, G * T, Hkv)[0] == 32
+        out = kernel(q, cache)
+    assert torch.allclose(out, ref, atol=1e-5), float((out - ref).abs().max())
 
 
 def test_fused_ops_equal_torch_references():

@@ -37,7 +37,9 @@ TRIGGER = 0  # where a kernel launched with PDL lets the next one launch: 0 at i
              # next kernel's programs then sit on SMs, waiting, while this one still has programs to place); 1 once
              # its main loop is done (gdc_release in the matmul and attention kernels; the others at their exit);
              # 2 only at its exit. Where the trigger sits never changes what a kernel computes: the next kernel
-             # still waits for this one to finish
+             # still waits for this one to finish. On the H200 (2026-12-03, docs/BENCHMARKS.md fourteenth session,
+             # replays round-robin) 1 and 2 were slower than 0 wherever PDL is on (1 x 1 +8 / +10 %, 1 x 16 +4 / +7 %)
+             # and did not rescue PDL past 16 rows (8 x 64 +20 % with PDL = 512): the early trigger is the gain
 
 
 @functools.lru_cache(maxsize=None)

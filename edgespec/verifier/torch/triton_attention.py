@@ -219,6 +219,8 @@ class TritonPagedAttention:
                               # 32 splits took 5.95 us a layer against 7.97 for 8 (H200, 2026-12-01)
     M_FIRST = 1             # program ids put a (sequence, KV head)'s query tiles next to each other (shared K/V
                             # in L2): 0.82 -> 0.67 ms at 32 x 2048, 3-4 % at 8 x 4096 and 8 x 32768 (H200, 2026-12-01)
+    M_TILE_FIT = 0          # 1: past 32 query rows, 32-row tiles where they pad fewer rows than 64-row ones (T = 16 at
+                            # 6 query heads per KV head: 96 rows in 3 tiles, where 2 tiles of 64 compute 32 padding rows)
     TREE_SPLIT = 0          # 1: one more split that takes the tree's (masked) keys alone, so that the context's
                             # programs run unmasked tiles only and the tree tile's unpipelined loads overlap them.
                             # Off: on the H200 (2026-12-02, docs/BENCHMARKS.md ninth session) steps were up to 4.6 %
@@ -234,6 +236,8 @@ class TritonPagedAttention:
         program) 64 x 32 was 1.2-1.5x slower than 64 x 64 with 3 stages, the fastest there but
         one (128 x 32 at 32 x 2048)."""
         bm = self.BLOCK_M or min(64, max(16, triton.next_power_of_2(rows)))
+        if not self.BLOCK_M and self.M_TILE_FIT and rows > 32 and -(-rows // 32) * 32 < -(-rows // bm) * bm:
+            bm = 32
         long = split_keys >= self.LONG_SPLIT_KEYS
         bn = self.BLOCK_N or (64 if long or bm < 64 else 32)
         stages = self.NUM_STAGES or (3 if long else 2)

@@ -7,9 +7,9 @@ data no earlier kernel writes (weights, prefetch_l2), and then wait (griddepcont
 previous kernel has finished and its writes are visible. Every kernel here waits before it reads
 anything an earlier kernel writes and before it writes anything (so no earlier kernel can read a value
 it overwrites), then lets the next kernel launch (griddepcontrol.launch_dependents): one kernel of
-lookahead, never a chain of waiting grids. Knob TRIGGER moves that launch later (after the main loop, or to
-the kernel's exit), so that waiting programs of the next kernel do not hold SMs this one still needs. Kernels that are not Triton's (cuBLAS, torch ops) launch
-as before; a wait behind one of them simply waits for it to end.
+lookahead, never a chain of waiting grids (knob TRIGGER can move that launch later: measured slower).
+Kernels that are not Triton's (cuBLAS, torch ops) launch as before; a wait behind one of them simply
+waits for it to end.
 
 Knob PDL (edgespec.verifier.torch.knobs): the most token rows (B * T of a step) whose kernels launch
 with PDL; 0 launches everything as before. On the H200 (2026-12-02, docs/BENCHMARKS.md tenth session)
@@ -66,7 +66,7 @@ def _supported(index: int) -> bool:
             and (driver is None or driver() >= _MIN_DRIVER))
 
 
-def launch_args(device: torch.device, rows: int) -> dict[str, bool]:
+def launch_args(device: torch.device, rows: int) -> dict[str, int | bool]:
     """Keyword arguments for a Triton launch on `device` serving `rows` token rows: GDC, the kernels'
     constexpr that compiles the wait in, and launch_pdl, Triton's launch option; both on only for
     0 < rows <= PDL on a GPU that has PDL."""

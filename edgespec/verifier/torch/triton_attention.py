@@ -220,7 +220,9 @@ class TritonPagedAttention:
     M_FIRST = 1             # program ids put a (sequence, KV head)'s query tiles next to each other (shared K/V
                             # in L2): 0.82 -> 0.67 ms at 32 x 2048, 3-4 % at 8 x 4096 and 8 x 32768 (H200, 2026-12-01)
     M_TILE_FIT = 0          # 1: past 32 query rows, 32-row tiles where they pad fewer rows than 64-row ones (T = 16 at
-                            # 6 query heads per KV head: 96 rows in 3 tiles, where 2 tiles of 64 compute 32 padding rows)
+                            # 6 query heads per KV head: 96 rows in 3 tiles, where 2 tiles of 64 compute 32 padding rows).
+                            # Off: on the H200 (2026-12-03, docs/BENCHMARKS.md fourteenth session, replays round-robin)
+                            # 1 x 16 -0.6 % (noise), 8 x 16 +5.6 %
     TREE_SPLIT = 0          # 1: one more split that takes the tree's (masked) keys alone, so that the context's
                             # programs run unmasked tiles only and the tree tile's unpipelined loads overlap them.
                             # Off: on the H200 (2026-12-02, docs/BENCHMARKS.md ninth session) steps were up to 4.6 %

@@ -1,8 +1,9 @@
 """Programmatic dependent launch (pdl.py): every Triton kernel of the verifier's forward, compiled for
 an H100/H200 (sm_90) with the launch path the forward uses, carries the wait and the early launch
-with PDL on (or the launch where knob TRIGGER puts it), and nothing touches memory before the wait but L2 prefetches of weights: no store (a
-kernel that still runs may read what this one overwrites) and no load. Triton's own compiler and ptxas run on this CPU machine; the
-launches are intercepted (no GPU here), so the arguments are exactly those the wrappers pass.
+with PDL on (or the launch where knob TRIGGER puts it), and nothing touches memory before the wait but
+L2 prefetches of weights: no store (a kernel that still runs may read what this one overwrites) and no
+load. Triton's own compiler and ptxas run on this CPU machine; the launches are intercepted (no GPU
+here), so the arguments are exactly those the wrappers pass.
 
 The compile runs in a child process without TRITON_INTERPRET (tests/conftest.py sets it for the
 interpreter tests, and an interpreted kernel cannot be compiled)."""
@@ -144,7 +145,7 @@ def _compile_launches(gdc: int) -> dict[str, dict]:
             found[fn.__name__] = {
                 "launch_pdl": bool(options.get("launch_pdl", False)),
                 "wait": len(waits),
-                "launch_dependents": sum(ln.startswith("griddepcontrol.launch_dependents") for ln in lines),
+                "launch_dependents": len(launches),
                 "loads_before_wait": sum(ln.startswith(LOADS) for ln in before),
                 "prefetches_before_wait": sum(ln.startswith("prefetch.global.L2") for ln in before),
                 "prefetches": sum(ln.startswith("prefetch.global.L2") for ln in lines),

@@ -27,14 +27,14 @@ def test_pack_ancestor_bits():
     assert bits[0, 0].tolist() == [1 - 2 ** 31, 0] and bits[0, 1].tolist() == [2, 2]
 
 
-@pytest.mark.parametrize("nsplit,m_first,T,tree_split,block_n", [
-    (1, 1, 20, 0, 16), (3, 1, 20, 0, 16), (5, 0, 20, 0, 16), (2, 1, 70, 0, 16), (1, 1, 20, 1, 16), (3, 0, 70, 1, 16),
-    (2, 1, 70, 0, 64)])
-def test_triton_kernel_equals_reference(nsplit, m_first, T, tree_split, block_n):
+@pytest.mark.parametrize("nsplit,m_first,T,tree_split,block_m,block_n", [
+    (1, 1, 20, 0, 16, 16), (3, 1, 20, 0, 16, 16), (5, 0, 20, 0, 16, 16), (2, 1, 70, 0, 16, 16), (1, 1, 20, 1, 16, 16),
+    (3, 0, 70, 1, 16, 16), (2, 1, 70, 0, 16, 64), (2, 1, 32, 0, 0, 0)])
+def test_triton_kernel_equals_reference(nsplit, m_first, T, tree_split, block_m, block_n):
     """Either program order (M_FIRST) gives the torch reference's output; 70 nodes: three ancestor
     words per row, and a key tile (16 or 64 keys) that starts inside one word and ends in the next;
     TREE_SPLIT: the tree's keys in a split of their own (a context of 0 leaves the context splits
-    empty)."""
+    empty). block_m 0: the tiles tile_config fits with M_TILE_FIT (96 query rows: 32-row tiles)."""
     g = torch.Generator().manual_seed(nsplit)
     rng = np.random.default_rng(nsplit)
     B, Hkv, G, D, bs = 3, 2, 3, 32, 4
@@ -56,39 +56,24 @@ def test_triton_kernel_equals_reference(nsplit, m_first, T, tree_split, block_n)
     q = torch.randn(B, T, Hkv * G, D, generator=g)
     ref = TorchPagedAttention(tables, ctx, anc, bs, G)(q, cache)
     kernel = TritonPagedAttention(tables, ctx, anc, bs, G, nsplit=nsplit)
-    kernel.BLOCK_M, kernel.BLOCK_N = 16, block_n
-    kernel.M_FIRST, kernel.TREE_SPLIT = m_first, tree_split
+    kernel.BLOCK_M, kernel.BLOCK_N = block_m, block_n
+    kernel.M_FIRST, kernel.TREE_SPLIT, kernel.M_TILE_FIT = m_first, tree_split, int(block_m == 0)
+    if block_m == 0:
+        assert kernel.launch_config(B, G * T, Hkv)[0] == 32
     out = kernel(q, cache)
     for b, n in enumerate(sizes):
         assert torch.allclose(out[b, :n], ref[b, :n], atol=1e-5), float((out[b, :n] - ref[b, :n]).abs().max())
 
 
-def test_fitted_query_tiles_pad_fewer_rows_and_equal_the_reference():
+def test_fitted_query_tiles_pad_fewer_rows():
     """M_TILE_FIT: 96 query rows (T = 16 at 6 query heads per KV head) in three 32-row tiles, not two
-    64-row ones; 384 rows keep 64-row tiles, a handful of rows 16-row ones. The kernel with the fitted
-    tiles gives the reference's output."""
+    64-row ones; 384 rows keep 64-row tiles, a handful of rows 16-row ones (the kernel on fitted tiles:
+    test_triton_kernel_equals_reference with block_m 0)."""
     attn = TritonPagedAttention.__new__(TritonPagedAttention)
     with knobs.override({"M_TILE_FIT": 1}):
         assert [attn.tile_config(r, 256)[0] for r in (6, 48, 96, 384)] == [16, 64, 32, 64]
     with knobs.override({"M_TILE_FIT": 0}):
         assert [attn.tile_config(r, 256)[0] for r in (6, 48, 96, 384)] == [16, 64, 64, 64]
-    g = torch.Generator().manual_seed(7)
-    rng = np.random.default_rng(7)
-    B, Hkv, G, D, bs, T = 2, 2, 3, 32, 4, 32
-    cache = torch.randn(2, 80 * bs, Hkv, D, generator=g)
-    ctx = torch.tensor([41, 9])
-    tables = torch.zeros(B, 24, dtype=torch.int64)
-    tables[0, :19] = torch.arange(1, 20)
-    tables[1, :11] = torch.arange(30, 41)
-    anc = torch.stack([torch.from_numpy(ancestor_mask([-1] + [int(rng.integers(0, i)) for i in range(1, T)]))
-                       for _ in range(B)])
-    q = torch.randn(B, T, Hkv * G, D, generator=g)
-    ref = TorchPagedAttention(tables, ctx, anc, bs, G)(q, cache)
-    with knobs.override({"M_TILE_FIT": 1}):
-        kernel = TritonPagedAttention(tables, ctx, anc, bs, G, nsplit=2)
-        assert kernel.launch_config(B, G * T, Hkv)[0] == 32
-        out = kernel(q, cache)
-    assert torch.allclose(out, ref, atol=1e-5), float((out - ref).abs().max())
 
 
 def test_fused_ops_equal_torch_references():

@@ -26,6 +26,8 @@ from edgespec.verifier.torch import knobs, pdl  # noqa: E402
 LOADS = ("ld.global", "cp.async")
 # kernels whose programs ask L2 for their first weight lines before the wait
 PREFETCH = {"_add_rmsnorm_kernel", "_gemv_kernel", "_linear_rows_kernel"}
+# kernels that run beside the forward on a side stream (fused.L2_WARM), never with PDL
+BESIDE = {"_l2_warm_kernel"}
 
 
 def test_pdl_is_a_knob_and_stays_off_without_a_gpu_that_has_it():
@@ -52,8 +54,10 @@ def test_every_forward_kernel_waits_before_touching_what_earlier_kernels_write()
     found = _probe(1)
     assert set(found) == {"_add_rmsnorm_kernel", "_gemv_kernel", "_linear_rows_kernel", "_sum_partials_kernel",
                           "_rope_store_kernel", "_silu_mul_kernel", "_top2_chunks_kernel", "_top2_merge_kernel",
-                          "_tree_attn_split", "_tree_attn_merge"}
+                          "_tree_attn_split", "_tree_attn_merge"} | BESIDE
     for name, seen in found.items():
+        if name in BESIDE:
+            continue
         assert seen["launch_pdl"], name
         assert seen["wait"] == 1 and seen["launch_dependents"] == 1, (name, seen)
         assert seen["stores_before_wait"] == 0 and seen["loads_before_wait"] == 0, (name, seen)
@@ -73,6 +77,8 @@ def test_a_late_trigger_moves_the_launch_after_the_main_loop():
         pdl.gdc_mode()
     released = {"_linear_rows_kernel", "_tree_attn_split"}
     for name, seen in _probe(2).items():
+        if name in BESIDE:
+            continue
         assert seen["wait"] == 1 and seen["stores_before_wait"] == 0 and seen["loads_before_wait"] == 0, (name, seen)
         assert seen["launch_dependents"] == (name in released), (name, seen)
         if name in released:
@@ -83,6 +89,17 @@ def test_with_pdl_off_the_kernels_compile_without_it():
     for name, seen in _probe(0).items():
         assert not seen["launch_pdl"] and seen["wait"] == 0 and seen["launch_dependents"] == 0, (name, seen)
         assert seen["prefetches"] == 0, (name, seen)
+
+
+def test_the_l2_warm_kernel_only_prefetches():
+    """fused.warm_l2 compiles (ptxas accepts the bulk prefetch for sm_90) to one bulk L2 prefetch per row and
+    thread and nothing else that touches memory: it cannot change a value the forward computes."""
+    for gdc in (0, 1):
+        seen = _probe(gdc)["_l2_warm_kernel"]
+        assert not seen["launch_pdl"] and seen["wait"] == 0 and seen["launch_dependents"] == 0, seen
+        assert seen["bulk_prefetches"] == 1 and seen["stores"] == 0, seen
+        assert seen["loads_after_wait"] == seen["loads_before_wait"] == 0, seen
+        assert seen["all_loads"] == seen["bulk_prefetches"], seen
 
 
 # -- the child: run the wrappers on CPU tensors, compile each launch for sm_90, read its PTX --------------
@@ -149,6 +166,9 @@ def _compile_launches(gdc: int) -> dict[str, dict]:
                 "loads_before_wait": sum(ln.startswith(LOADS) for ln in before),
                 "prefetches_before_wait": sum(ln.startswith("prefetch.global.L2") for ln in before),
                 "prefetches": sum(ln.startswith("prefetch.global.L2") for ln in lines),
+                "bulk_prefetches": sum(ln.startswith("cp.async.bulk.prefetch.L2") for ln in lines),
+                "all_loads": sum(ln.startswith(LOADS) for ln in lines),
+                "stores": sum(ln.startswith(("st.global", "red.", "atom.")) for ln in lines),
                 "stores_before_wait": sum(ln.startswith(("st.global", "red.", "atom.")) for ln in before),
                 "launch_after_wait": bool(waits and launches and launches[0] > waits[0]),
                 "loads_after_wait": sum(ln.startswith(LOADS) for ln in after_wait),
@@ -178,6 +198,7 @@ def _compile_launches(gdc: int) -> dict[str, dict]:
                             torch.zeros((heads + 2 * kv_heads) * hd, dtype=bf), ang16.cos(), ang16.sin(), cache,
                             torch.zeros(16, dtype=torch.int64), heads, kv_heads)
     fused.silu_mul(torch.zeros(16, 2 * f, dtype=bf))
+    fused.warm_l2(torch.zeros(2 * 136, d, dtype=bf), 5)   # beside the forward: the next weights into L2
     fused.argmax_top2(torch.zeros(2, 151936))
     T, bs = 16, 16
     anc = torch.eye(T, dtype=torch.bool)[None]

@@ -1,11 +1,12 @@
 """tools/pick_knobs.py: the rule that turns one run's variant timings and checks into default knobs."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
-import json
+import pytest
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 sys.path.insert(0, str(TOOLS))
@@ -50,13 +51,16 @@ def test_without_its_check_a_checked_knob_never_wins(tmp_path):
     assert env.read_text() == "export EDGESPEC_KERNEL_KNOBS=TARGET_PROGRAMS=192\n"
 
 
-def test_pdl_wins_only_with_bit_identical_steps():
-    times = {"triton": (1.6, 2.2, 4.2), "triton!PDL=1": (1.4, 2.0, 4.1)}
+@pytest.mark.parametrize("knob, check", [("PDL", "pdl_check"), ("L2_WARM", "l2_warm_check")])
+def test_launch_timing_knobs_win_only_with_bit_identical_steps(knob, check):
+    times = {"triton": (1.6, 2.2, 4.2), f"triton!{knob}=1": (1.4, 2.0, 4.1)}
     same = {"same_decisions": True, "bit_identical_logits": True, "max_logit_diff": 0.0}
-    assert pick(run_of(times, pdl_check=same))[0] == {"PDL": 1}
+    assert pick(run_of(times, **{check: same}))[0] == {knob: 1}
     for bad in ({**same, "bit_identical_logits": False, "max_logit_diff": 0.03}, {**same, "same_decisions": False},
                 {"error": "RuntimeError: capture failed"}):
-        assert pick(run_of(times, pdl_check=bad))[0] == {}
+        assert pick(run_of(times, **{check: bad}))[0] == {}
+    other = "l2_warm_check" if check == "pdl_check" else "pdl_check"
+    assert pick(run_of(times, **{other: same}))[0] == {}   # the other knob's check does not stand in
 
 
 def test_an_attention_knob_is_judged_where_it_changes_the_launch_against_the_runs_noise():

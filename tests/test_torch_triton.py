@@ -241,6 +241,27 @@ def test_balanced_config_gives_every_sm_an_equal_share():
     assert fused._row_tiles(136) == (128, 16) and fused._row_tiles(128) == (128, 0) and fused._row_tiles(6) == (16, 0)
 
 
+def test_l2_warm_budget_takes_wo_whole_then_whole_lines_of_every_gate_up_row():
+    """fused.L2_WARM (MB) and L2_WARM_ROWS decide what the side stream warms: off by default; all of wo (4.5 MiB at
+    the Qwen2.5-1.5B shape) and then the first 128-byte lines of each of the 17920 gate/up rows (2.2 MiB a line,
+    24 lines a row) within the budget; never more than a whole row; nothing past the row bound. On the CPU the
+    forward never warms (the model asks only for CUDA tensors), so the fused forward's tests run it unchanged."""
+    from edgespec.verifier.torch import fused
+
+    wo = torch.empty(1536, 1536, dtype=torch.bfloat16, device="meta")
+    gate_up = torch.empty(17920, 1536, dtype=torch.bfloat16, device="meta")
+    assert fused.L2_WARM == 0 and fused.l2_warm_lines(64, wo, gate_up) is None
+    with knobs.override({"L2_WARM": 32}):
+        assert fused.l2_warm_lines(64, wo, gate_up) == (32 * 2 ** 20 - 1536 * 1536 * 2) // (17920 * 128) == 12
+        assert fused.l2_warm_lines(65, wo, gate_up) is None
+        with knobs.override({"L2_WARM_ROWS": 512}):
+            assert fused.l2_warm_lines(512, wo, gate_up) == 12
+    with knobs.override({"L2_WARM": 4}):
+        assert fused.l2_warm_lines(1, wo, gate_up) == 0      # wo alone
+    with knobs.override({"L2_WARM": 1000}):
+        assert fused.l2_warm_lines(1, wo, gate_up) == 24     # all of it
+
+
 def test_one_row_gemv_in_bfloat16():
     """The one-row GEMV as the step runs it, in bf16 (its dot-free sums run in the interpreter in any
     dtype): bf16 weights and input, float32 sums, one rounding at the end; SiLU*up rounded to bf16

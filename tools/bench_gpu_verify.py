@@ -279,12 +279,10 @@ def check_move_rows() -> dict:
     return {"moved_rows": int((src != dst).sum()), "equal": bool(torch.equal(flat, want))}
 
 
-def check_pdl(context: int = 300) -> dict:
-    """pdl.PDL (programmatic dependent launch) against plain launches: random bf16 weights of the
-    Qwen2.5-1.5B shape, the same verify steps through CUDA graphs (B x T = 1 x 1, 4 x 16, 1 x 64, three
-    rounds each), with the next kernel's launch at each place pdl.TRIGGER can put it. The kernels are the
-    same code with a wait at their start, so logits and decisions must be bit-identical; a kernel reading
-    before its producer's writes are visible would show here."""
+def same_steps_under(settings: list[dict[str, int]], context: int = 300) -> dict:
+    """The same verify steps through CUDA graphs under each knob setting, against the first: random bf16 weights of
+    the Qwen2.5-1.5B shape, B x T = 1 x 1, 4 x 16, 1 x 64, three rounds each. For knobs that change when kernels
+    run, never what they compute, so logits and decisions must be bit-identical."""
     model = TransformerLM.random(ModelConfig.qwen2_1_5b(), dtype=torch.bfloat16, device="cuda", seed=6,
                                  max_positions=context + 256)
     rng = np.random.default_rng(6)
@@ -292,7 +290,6 @@ def check_pdl(context: int = 300) -> dict:
     rounds = [(B, [(rng.integers(0, 151936, size=T).tolist(), random_parents(T, rng)) for _ in range(B)])
               for B, T in ((1, 1), (4, 16), (1, 64)) for _ in range(3)]
     runs = []
-    settings = [{"PDL": 0}] + [{"PDL": 1 << 20, "TRIGGER": t} for t in (0, 1, 2)]   # off, then on for every launch
     for knob_values in settings:
         with kernel_knobs.override(knob_values):
             engine = Engine(model, num_blocks=4 * (-(-(context + 256) // 16)) + 8, block_size=16, cuda_graphs=True)
@@ -307,11 +304,24 @@ def check_pdl(context: int = 300) -> dict:
                 logits.append(torch.cat([got[b, :len(t)] for b, (t, _) in enumerate(trees)]).float().clone())
             runs.append((decided, logits, engine.stats["captures"]))
             del engine
-    (d0, l0, _), *with_pdl = runs
+    (d0, l0, _), *others = runs
     return {"steps": len(rounds), "settings": settings, "captures": [c for _, _, c in runs],
-            "same_decisions": all(d == d0 for d, _, _ in with_pdl),
-            "bit_identical_logits": all(torch.equal(a, b) for _, l1, _ in with_pdl for a, b in zip(l0, l1)),
-            "max_logit_diff": max(float((a - b).abs().max()) for _, l1, _ in with_pdl for a, b in zip(l0, l1))}
+            "same_decisions": all(d == d0 for d, _, _ in others),
+            "bit_identical_logits": all(torch.equal(a, b) for _, l1, _ in others for a, b in zip(l0, l1)),
+            "max_logit_diff": max(float((a - b).abs().max()) for _, l1, _ in others for a, b in zip(l0, l1))}
+
+
+def check_pdl() -> dict:
+    """pdl.PDL (programmatic dependent launch) against plain launches, with the next kernel's launch at each
+    place pdl.TRIGGER can put it: the kernels are the same code with a wait at their start; a kernel reading
+    before its producer's writes are visible would show here."""
+    return same_steps_under([{"PDL": 0}] + [{"PDL": 1 << 20, "TRIGGER": t} for t in (0, 1, 2)])
+
+
+def check_l2_warm() -> dict:
+    """fused.L2_WARM (a side stream asks L2 for the next weights while attention runs) against none, at every
+    row count: the graphs fork and rejoin, the warming reads weights only."""
+    return same_steps_under([{"L2_WARM": 0}] + [{"L2_WARM": mb, "L2_WARM_ROWS": 1 << 20} for mb in (8, 32)])
 
 
 def check_compaction() -> dict:
@@ -1076,7 +1086,7 @@ def main() -> int:
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--skip", default="",
                    help="comma-separated sections to skip: ceilings,checks,attention,matmuls,step,mixed,hf,capacity")
-    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope,rows_rope,move_rows,tree_split,pdl",
+    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope,rows_rope,move_rows,tree_split,pdl,l2_warm",
                    help="which checks the checks section runs")
     p.add_argument("--small-rows-matmul", default="",
                    help="step cells with these Engine small_rows_matmul values, comma-separated: off (0), on (64) "
@@ -1147,7 +1157,8 @@ def main() -> int:
                               ("rows_rope", lambda: check_rope_in_matmul("ROWS_ROPE"),
                                "RoPE in the 16-row wqkv matmul vs its own launch"),
                               ("move_rows", check_move_rows, "the compaction copy kernel vs index_copy_"),
-                              ("pdl", check_pdl, "programmatic dependent launch vs plain launches")):
+                              ("pdl", check_pdl, "programmatic dependent launch vs plain launches"),
+                              ("l2_warm", check_l2_warm, "the next weights warmed into L2 beside attention vs not")):
         if cuda and "checks" not in skip and name in checks:
             try:
                 result[f"{name}_check"] = check()

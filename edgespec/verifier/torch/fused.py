@@ -773,3 +773,50 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _silu_mul_kernel[(rows, triton.cdiv(f, block))](gate_up, out, F_=f, BLOCK=block, num_warps=4,
                                                     **pdl.launch_args(gate_up.device, rows))
     return out
+
+
+# -- warming L2 with the next matmuls' weights ----------------------------------------------------
+L2_WARM = 0       # MB of a layer's next weights that a side stream asks L2 for while the layer's attention runs:
+                  # all of wo, then the first 128-byte lines of every gate/up row as far as the budget goes (the
+                  # matmul kernels walk K in order, so every program's first tiles hit L2). Attention, RoPE and the
+                  # norms are latency-bound (at 1 x 64 ~12 us a layer in which HBM idles); the weights after them
+                  # are not. 0: off
+L2_WARM_ROWS = 64  # ... for steps of at most this many token rows (more rows: the matmuls are compute, not bytes)
+WARM_ROWS_PER_PROGRAM = 128
+
+
+if triton is not None:
+    @triton.jit
+    def _l2_warm_kernel(W, n_rows, row_len, nbytes, ROWS: tl.constexpr):
+        """One bulk L2 prefetch (cp.async.bulk.prefetch, sm_90+) of the first `nbytes` of each of ROWS rows of
+        W [n_rows, row_len] per program: nothing waits for it, no register or shared memory receives it; the
+        lines are in L2 when the next kernel that reads them starts. Surplus rows of the last program ask for
+        the last row again."""
+        r = tl.minimum(tl.program_id(0) * ROWS + tl.arange(0, ROWS), n_rows - 1)
+        size = tl.full([ROWS], 0, tl.int32) + nbytes
+        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // dummy $0", "=r,l,r",
+                                  [W + r.to(tl.int64) * row_len, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def l2_warm_lines(rows: int, wo: torch.Tensor, gate_up: torch.Tensor) -> int | None:
+    """How many 128-byte lines of each gate/up row to warm besides all of wo within L2_WARM MB (0: wo
+    alone); None: no warming (knob off, or more than L2_WARM_ROWS rows)."""
+    if not L2_WARM or rows > L2_WARM_ROWS:
+        return None
+    left = L2_WARM * 2 ** 20 - wo.numel() * wo.element_size()
+    row_lines = gate_up.shape[1] * gate_up.element_size() // 128
+    return int(max(0, min(row_lines, left // (gate_up.shape[0] * 128))))
+
+
+def warm_l2(weight: torch.Tensor, lines: int | None = None) -> None:
+    """Ask L2 for the first `lines` 128-byte lines of every row of `weight` (None: all of it), on the current
+    stream. Changes no value anywhere: where it runs beside other kernels (a side stream) only their
+    timing can change."""
+    n, k = weight.shape
+    row_bytes = k * weight.element_size()
+    nbytes = row_bytes if lines is None else min(row_bytes, 128 * lines)
+    if not weight.is_contiguous() or row_bytes % 16 or weight.data_ptr() % 16:
+        raise ValueError(f"warm_l2: weight {tuple(weight.shape)} rows are not 16-byte aligned and contiguous")
+    if nbytes:
+        _l2_warm_kernel[(triton.cdiv(n, WARM_ROWS_PER_PROGRAM),)](weight, n, k, nbytes, ROWS=WARM_ROWS_PER_PROGRAM,
+                                                                   num_warps=4)

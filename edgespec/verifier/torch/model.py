@@ -178,6 +178,7 @@ class TransformerLM(nn.Module):
         self.fused_ops = False  # fused.py's Triton kernels (CUDA); the engine turns them on
         # with fused_ops: fused.linear_rows for the four block matmuls when B*T <= this (0: cuBLAS always)
         self.small_rows_matmul = 0
+        self._warm_stream: torch.cuda.Stream | None = None   # fused.L2_WARM's side stream, made on first use
         self.requires_grad_(False)
 
     # -- construction -------------------------------------------------------------------------
@@ -256,6 +257,8 @@ class TransformerLM(nn.Module):
         cos, sin = cos.reshape(rows, -1), sin.reshape(rows, -1)
         h, x = fused.add_rmsnorm(x, None, self.layers[0].attn_norm.weight, c.norm_eps)
         rope_in_matmul = use["wqkv"] and fused.rope_in_matmul_fits(rows, blk.wqkv.weight, c.head_dim)
+        warm_lines = fused.l2_warm_lines(rows, blk.wo.weight, blk.w13.weight) if x.is_cuda else None
+        warm = self._side_stream() if warm_lines is not None else None
         for i, layer in enumerate(self.layers):
             if rope_in_matmul:   # one launch: the matmul's epilogue rotates and writes the cache
                 q = fused.linear_rope_store(h, layer.wqkv.weight, layer.wqkv.bias, cos, sin, cache[i], slots,
@@ -263,6 +266,11 @@ class TransformerLM(nn.Module):
             else:
                 qkv = fused.linear_rows(h, layer.wqkv.weight, layer.wqkv.bias) if use["wqkv"] else layer.wqkv(h)
                 q = fused.rope_store(qkv, cos, sin, cache[i], slots, c.n_head, c.n_head_kv)
+            if warm is not None:   # wo and gate/up into L2 beside the attention (fused.L2_WARM): reads weights only
+                warm.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(warm):
+                    fused.warm_l2(layer.wo.weight)
+                    fused.warm_l2(layer.w13.weight, warm_lines)
             att = attend(q.view(B, T, c.n_head, c.head_dim), cache[i]).reshape(rows, -1)
             out = fused.linear_rows_partials(att, layer.wo.weight) if use["wo"] else layer.wo(att)
             h, x = fused.add_rmsnorm(x, out, layer.ffn_norm.weight, c.norm_eps)   # partials: summed here
@@ -277,9 +285,17 @@ class TransformerLM(nn.Module):
                 h, x = fused.add_rmsnorm(x, down, self.layers[i + 1].attn_norm.weight, c.norm_eps)
             elif logits:   # the final norm (float32 inside, rounded once for the LM head's operands)
                 h, x = fused.add_rmsnorm(x, down, self.norm.weight, c.norm_eps)
+        if warm is not None:   # the side stream rejoins (a captured graph must end on the stream it began on)
+            torch.cuda.current_stream().wait_stream(warm)
         if not logits:
             return None
         return self.lm_head_logits(h.view(B, T, c.d_model))
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The stream that warms L2 beside the forward (one per model: captured graphs fork onto it)."""
+        if self._warm_stream is None:
+            self._warm_stream = torch.cuda.Stream(self.device)
+        return self._warm_stream
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head in float32 (argmax and top-2 margins are decided on these)."""

@@ -242,7 +242,7 @@ def test_balanced_config_gives_every_sm_an_equal_share():
 
 
 def test_l2_warm_budget_takes_wo_whole_then_whole_lines_of_every_gate_up_row():
-    """fused.L2_WARM (MB) and L2_WARM_ROWS decide what the side stream warms: off by default; all of wo (4.5 MiB at
+    """fused.L2_WARM (MB) and L2_WARM_ROWS decide what the side stream warms: all of wo (4.5 MiB at
     the Qwen2.5-1.5B shape) and then the first 128-byte lines of each of the 17920 gate/up rows (2.2 MiB a line,
     24 lines a row) within the budget; never more than a whole row; nothing past the row bound. On the CPU the
     forward never warms (the model asks only for CUDA tensors), so the fused forward's tests run it unchanged."""
@@ -250,8 +250,10 @@ def test_l2_warm_budget_takes_wo_whole_then_whole_lines_of_every_gate_up_row():
 
     wo = torch.empty(1536, 1536, dtype=torch.bfloat16, device="meta")
     gate_up = torch.empty(17920, 1536, dtype=torch.bfloat16, device="meta")
-    assert fused.L2_WARM == 0 and fused.l2_warm_lines(64, wo, gate_up) is None
-    with knobs.override({"L2_WARM": 32}):
+    assert (fused.L2_WARM, fused.L2_WARM_ROWS) == (32, 16)   # the H200's pick
+    with knobs.override({"L2_WARM": 0}):
+        assert fused.l2_warm_lines(1, wo, gate_up) is None
+    with knobs.override({"L2_WARM": 32, "L2_WARM_ROWS": 64}):
         assert fused.l2_warm_lines(64, wo, gate_up) == (32 * 2 ** 20 - 1536 * 1536 * 2) // (17920 * 128) == 12
         assert fused.l2_warm_lines(65, wo, gate_up) is None
         with knobs.override({"L2_WARM_ROWS": 512}):

@@ -62,12 +62,12 @@ case $phase in
     # PDL trigger (TRIGGER=1, 2; also with PDL=64, 512) lost in every cell (1 x 1 +8 to +10 %); 32-row attention
     # tiles where they pad less (M_TILE_FIT=1: T = 16) and wqkv at 17-64 rows on the balanced kernel with RoPE in its
     # epilogue (SMALL_ROWS_AUTO=1, whose only None entry left is that one) lost too. The fifteenth session's: wo and
-    # the first lines of gate/up warmed into L2 by a side stream while attention runs (L2_WARM MB; L2_WARM_ROWS):
-    # first run 1 x 64 +1.3 to +2.1 % (slower) with every budget, 1 x 16 and 8 x 1 up to -1.9 %; now at <= 16 rows.
-    # Add a variant as 'triton,triton!KNOB=V' (with the pdl check for PDL or TRIGGER, l2_warm for L2_WARM).
+    # the first lines of gate/up warmed into L2 by a side stream while attention runs (L2_WARM MB; L2_WARM_ROWS) won at
+    # <= 16 rows in two calls and is the default (32 MB); at 1 x 64 every budget lost, 1024 rows a warming program lost.
+    # No candidate is pending: the phase times the defaults; add a variant as 'triton,triton!KNOB=V' (with the pdl check
+    # for PDL or TRIGGER, l2_warm for L2_WARM).
     EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,capacity,mixed,hf,matmuls \
-      --checks engine,l2_warm --trees 1,16,64 \
-      --attention 'triton,triton!L2_WARM=32:L2_WARM_ROWS=16,triton!L2_WARM=48:L2_WARM_ROWS=16,triton!L2_WARM=32:L2_WARM_ROWS=16:WARM_ROWS_PER_PROGRAM=1024' \
+      --checks kernel,engine,l2_warm --trees 1,16,64 --attention 'triton' \
       "${ITERS[@]}" --out "$OUT/variants.json" \
       && python3 tools/pick_knobs.py "$OUT/variants.json" --env "$OUT/knobs.env" && cp "$OUT/knobs.env" "$KNOBS_FILE"
     ;;

@@ -776,13 +776,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 # -- warming L2 with the next matmuls' weights ----------------------------------------------------
-L2_WARM = 0       # MB of a layer's next weights that a side stream asks L2 for while the layer's attention runs:
+L2_WARM = 32      # MB of a layer's next weights that a side stream asks L2 for while the layer's attention runs:
                   # all of wo, then the first 128-byte lines of every gate/up row as far as the budget goes (the
                   # matmul kernels walk K in order, so every program's first tiles hit L2). Attention, RoPE and the
-                  # norms are latency-bound (at 1 x 64 ~12 us a layer in which HBM idles); the weights after them
-                  # are not. 0: off
-L2_WARM_ROWS = 64  # ... for steps of at most this many token rows (more rows: the matmuls are compute, not bytes)
-WARM_ROWS_PER_PROGRAM = 128
+                  # norms are latency-bound, HBM idles under them. 0: off. H200, 2026-12-03 (docs/BENCHMARKS.md
+                  # fifteenth session), graph replays round-robin against no warming, two calls: 1 x 16 -0.9 / -1.3 %,
+                  # 8 x 1 -1.9 / -2.0 %; at 1 x 64 every budget (16 / 32 / 48 MB) was 1.3-2.1 % slower, at 8 x 64
+                  # within 1 %: hence the row bound
+L2_WARM_ROWS = 16  # ... for steps of at most this many token rows
+WARM_ROWS_PER_PROGRAM = 128   # rows (one bulk prefetch each) per program of the warming kernel; 1024 (fewer,
+                              # longer programs) was 3-7 % slower at 1 x 1, 1 x 16 and 8 x 1 (H200, 2026-12-03)
 
 
 if triton is not None:

@@ -689,7 +689,7 @@ def _steps(engine: Engine, args, config: ModelConfig, batches, trees, attention:
 
 def host_split(engine: Engine, step: Callable[[], None], reset: Callable[[], None], iters: int) -> dict[str, float]:
     """Where a step's wall time goes beyond its graph (medians, ms): `pack` (the host staging buffers
-    filled and copied), `launch` (the graph's replay call), `gpu_wait` (from there until the device is
+    filled; their copy to the device is the graph's first node), `launch` (the graph's replay call), `gpu_wait` (from there until the device is
     done) and `rest` (the wall time less those: checks, reserving and trimming blocks, reading the
     decisions back). The engine's methods are wrapped for these steps only."""
     pack, run = engine._pack, engine._run

@@ -114,7 +114,7 @@ class _Static:
     host_floats: torch.Tensor
     host: dict[str, np.ndarray] = field(default_factory=dict)     # numpy views of host_ints/host_floats
     defaults: np.ndarray | None = None     # host_ints as an empty step has it (padding rows), copied in first
-    host_out: torch.Tensor | None = None   # pinned landing buffer for the decisions (CUDA)
+    host_out: torch.Tensor | None = None   # pinned landing buffer for the decisions (CUDA), written by the step
     out: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     graph: object | None = None
@@ -390,13 +390,10 @@ class Engine:
 
     @staticmethod
     def _read_back(st: _Static, out: torch.Tensor) -> np.ndarray:
-        """The step's decisions on the host: on CUDA through a pinned buffer of the bucket (one async copy
-        and a stream sync, no pageable staging); valid until the bucket's next step."""
+        """The step's decisions on the host: on CUDA the step itself copied them into the bucket's pinned
+        buffer (_step's last op), so this is a stream sync; valid until the bucket's next step."""
         if not out.is_cuda:
             return out.numpy()
-        if st.host_out is None or st.host_out.shape != out.shape:
-            st.host_out = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-        st.host_out.copy_(out, non_blocking=True)
         torch.cuda.current_stream(out.device).synchronize()
         return st.host_out.numpy()
 
@@ -458,10 +455,12 @@ class Engine:
         return st
 
     def _pack(self, st: _Static, steps: Sequence[TreeStep], T: int, mode: int) -> None:
-        """Fill the host staging buffers (padding rows: size 0, null blocks) and copy them over.
+        """Fill the host staging buffers (padding rows: size 0, null blocks).
         Only tokens, parents and tables per sequence: depths, ancestor masks, positions and slots
         are derived on the device (part of the graph), so the host work is a few array copies. (On the
-        H200 host this Python ran 4-6x slower than on a 2-core CI box: 0.1 ms of a B = 8 step, 2026-12-02.)"""
+        H200 host this Python ran 4-6x slower than on a 2-core CI box: 0.1 ms of a B = 8 step, 2026-12-02.)
+        The copy to the device is the step's first op (_step): inside the captured graph, not a launch of
+        its own."""
         a = st.host
         a["_ints"][:] = st.defaults            # every field as for padding rows, in one copy
         tokens, parents, tables = a["tokens"], a["parents"], a["tables"]
@@ -491,9 +490,6 @@ class Engine:
             u = np.zeros((len(sampled), T))
             u[np.arange(T) < a["sizes"][sampled, None]] = residual_uniforms(trees)   # row-major = tree order
             a["u"][sampled] = u
-        st.ints.copy_(st.host_ints, non_blocking=True)
-        if sampled:
-            st.floats.copy_(st.host_floats, non_blocking=True)
 
     def _run(self, st: _Static, key: tuple, mode: int) -> torch.Tensor:
         """The step function, eager or as a CUDA graph captured on the bucket's first use."""
@@ -529,7 +525,14 @@ class Engine:
         """Forward, decisions and compaction for one bucket, on the static buffers; no host sync.
 
         Idempotent for the same inputs: every tree slot is rewritten by the forward before the
-        compaction reads it, so warm-up runs before a capture leave the cache as one run does."""
+        compaction reads it, so warm-up runs before a capture leave the cache as one run does.
+
+        It starts by copying the packed inputs from the bucket's (pinned) host buffers and, on CUDA, ends by
+        copying the decisions into the pinned host_out: with CUDA graphs both copies are nodes of the graph
+        (copies from and to pinned memory can be captured), so a step is one graph launch and a sync."""
+        st.ints.copy_(st.host_ints, non_blocking=True)
+        if mode != GREEDY:   # a greedy step reads no float inputs (_pack fills them for sampled rows only)
+            st.floats.copy_(st.host_floats, non_blocking=True)
         iv = _views(st.ints, layout(B, T, NB))
         fv = _views(st.floats, float_layout(B, T))
         bs = self.cache.block_size
@@ -557,6 +560,12 @@ class Engine:
             tree_ops.move_rows(self.cache.flat, src, dst, T)
         else:
             tree_ops.move_rows_torch(self.cache.flat, src, dst)
+        if out.is_cuda:
+            if st.host_out is None or st.host_out.shape != out.shape:   # the eager runs before a capture make it
+                if torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError("the pinned decisions buffer must exist before a graph capture")
+                st.host_out = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            st.host_out.copy_(out, non_blocking=True)
         return out, logits
 
     def _decide_on_host(self, st: _Static, b: int, s: TreeStep, T: int, NB: int) -> Decision:

@@ -338,6 +338,29 @@ def test_reserve_and_trim():
     s.close()
 
 
+def test_a_step_that_fails_after_reserving_gives_the_blocks_back_and_commits_nothing(model, monkeypatch):
+    """A forward that raises (a CUDA error, out of memory) between verify's reservation and its commit: every
+    sequence of the step keeps its length and its blocks as before, no block stays reserved, and the next step
+    of the same sequences runs as if the failed one never happened."""
+    engine = new_engine(model)
+    seqs = prefilled(engine, [[1, 2, 3, 4, 5], [9, 8, 7]])
+    free, blocks = engine.cache.pool.num_free, [list(s.blocks) for s in seqs]
+    steps = [TreeStep(s, list(range(20, 40)), [-1] + list(range(19))) for s in seqs]   # 20 nodes: new blocks
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(engine, "_run", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        engine.verify(steps)
+    assert [len(s) for s in seqs] == [5, 3] and [list(s.blocks) for s in seqs] == blocks
+    assert engine.cache.pool.num_free == free
+    monkeypatch.undo()
+    want = new_engine(model)
+    fresh = prefilled(want, [[1, 2, 3, 4, 5], [9, 8, 7]])
+    assert engine.verify(steps) == want.verify([TreeStep(s, st.tokens, st.parents) for s, st in zip(fresh, steps)])
+
+
 def test_trim_keeps_the_spares_a_next_tree_needs_and_the_next_reserve_takes_them():
     """trim(spare_positions) keeps the reserved blocks that many more positions need, at the end of
     the table; the next reserve then allocates nothing. Spares count as neither used nor free."""

@@ -355,14 +355,19 @@ class Engine:
             for seq in reserved:
                 seq.trim()
             raise
-        B, T = bucket(len(steps)), bucket(T_real)
-        NB = self._table_blocks(widest)
-        st = self._buffers(B, T, NB)
-        self._pack(st, steps, T, mode)
-        out = self._read_back(st, self._run(st, (B, T, NB, mode), mode))
-        self._last = st
-        self.stats["steps"] += 1
-        decisions = self._decisions(st, steps, out, T, NB)
+        try:   # until the decisions are in hand nothing is committed: a failure gives the reserved blocks back
+            B, T = bucket(len(steps)), bucket(T_real)
+            NB = self._table_blocks(widest)
+            st = self._buffers(B, T, NB)
+            self._pack(st, steps, T, mode)
+            out = self._read_back(st, self._run(st, (B, T, NB, mode), mode))
+            self._last = st
+            self.stats["steps"] += 1
+            decisions = self._decisions(st, steps, out, T, NB)
+        except BaseException:
+            for seq in reserved:
+                seq.trim()
+            raise
         for s, d in zip(steps, decisions):
             s.seq.length += 1 + len(d.path)
             s.seq.trim(len(s.tokens))   # the blocks a next tree of this size needs stay, as spares

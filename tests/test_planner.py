@@ -399,3 +399,34 @@ def test_the_first_drafted_tree_replaces_the_prior_outright():
                               queue_s=0.0, scores=np.array([0.9, 0.8]), accepted=np.ones(2, bool),
                               depths=np.array([1, 2]), shape="chain2"))
     assert p.draft_calibrated and abs(p.draft_per_decode_s - 0.01) < 1e-12
+
+
+def test_an_untried_wide_shape_is_priced_with_the_row_cost_wide_shapes_measured():
+    """On the H200 host (2026-12-03, 100 ms RTT) a chain decode of the 0.5B draft took 14 ms and a tree8 level (2
+    rows) 18.6 ms. A code answer accepted tree8 to its depth, so the planner tried the next shape up: priced at a
+    chain's cost per decode (6 x 14 ms), tree16 (4 rows a level) looked like it paid, and so did tree32 and tree64
+    after it; drafted, tree16 took 29 ms a level. Its optimistic price now uses tree8's measured cost per extra row
+    (0.33 chain decodes), and the climb stops where drafting would cost more than the round trip it saves."""
+    p = Planner()
+    rungs = {s.label: i for i, s in enumerate(p.ladder)}
+    p.begin_request()
+
+    def tree(label, nodes, depth, accepted, decode_s, prepared=False):
+        p.observe(StepObservation(nodes=nodes, draft_s=depth * decode_s, draft_decodes=depth, network_s=0.1,
+                                  bytes_up=48 + 8 * nodes, verify_s=0.002 + 0.000015 * (nodes + 1), queue_s=0.0,
+                                  scores=np.full(nodes, 0.9), accepted=np.arange(nodes) < accepted,
+                                  depths=np.minimum(np.arange(nodes) + 1, depth), shape=label, prepared=prepared,
+                                  wall_s=0.1 + (0 if prepared else depth * decode_s)))
+
+    for _ in range(6):
+        tree("chain4", 4, 4, 4, 0.014)
+    chain_s, row_cost = p._wide_row_cost(optimistic=True)     # no wide shape drafted yet: a chain's price
+    assert abs(chain_s - 0.014) < 1e-9 and row_cost == 0.0
+    tree("tree8", 8, 5, 5, 0.0186)                         # accepted to its depth: the next shape up is the try
+    assert p._try_next == rungs["tree16"]
+    chain_s, row_cost = p._wide_row_cost(optimistic=True)
+    assert abs(chain_s - 0.014) < 1e-9 and abs(row_cost - (0.0186 / 0.014 - 1)) < 1e-9
+    priced = p.step_seconds(16, 6, draft_s=6 * 0.014 * (1 + 3 * row_cost), flat_verify=p.verify_flat(True))
+    assert abs(p._seconds(rungs["tree16"], True) - priced) < 1e-9
+    assert p.choose().label in ("chain4", "tree8") and not p.exploring
+    assert abs(p._wide_row_cost(optimistic=False)[1] - row_cost) < 1e-9   # one wide shape: the mean is it

@@ -403,16 +403,33 @@ class Planner:
         """A rung's predicted step time, with its own measured drafting cost once it has one.
         optimistic (may it be worth trying?): until trees of several sizes have been verified (the
         verifier's slope is unknown) verified at a target-only step's cost, and an untried shape
-        drafted at a chain's cost per decode."""
+        drafted at the cheapest wide-row cost measured so far (a chain's cost per decode before any)."""
         shape = self.ladder[rung]
         flat_verify = self.verify_flat(optimistic)
         if not shape.budget:
             return self.step_seconds(0, 0, flat_verify=flat_verify)
         per_decode = self.decode_s_by_rung.get(rung)
         if per_decode is None:   # untried: a level of `width` rows costs more than a chain's one row
-            per_decode = self.draft_per_decode_s * (1 if optimistic else 1 + WIDE_ROW_COST * (shape.width - 1))
+            chain_s, row_cost = self._wide_row_cost(optimistic)
+            per_decode = chain_s * (1 + row_cost * (shape.width - 1))
         return self.step_seconds(shape.budget, shape.max_depth, draft_s=shape.max_depth * per_decode,
                                  flat_verify=flat_verify)
+
+    def _wide_row_cost(self, optimistic: bool) -> tuple[float, float]:
+        """(seconds of a one-row drafting decode, what each further row of a level adds in such decodes) for
+        pricing an untried shape: from the shapes drafted so far (chains' own decode cost; each wide shape's
+        cost per extra row, the cheapest of them when optimistic, their mean otherwise), else the priors
+        (draft_per_decode_s; WIDE_ROW_COST, 0 when optimistic). An untried wide shape priced at a chain's
+        cost made every step up look free: on the H200 host (2026-12-03, 100 ms RTT) a code answer that a
+        chain accepted whole climbed tree8, tree16, tree32, tree64 (10 decodes of 6-8 rows each) and took
+        3.0 s where chain4 took 1.7 s; tree8 had measured its extra row at 0.31 chain decodes by then."""
+        chains = [s for r, s in self.decode_s_by_rung.items() if self.ladder[r].width == 1]
+        chain_s = float(np.mean(chains)) if chains else self.draft_per_decode_s
+        rows = [(s / chain_s - 1) / (self.ladder[r].width - 1)
+                for r, s in self.decode_s_by_rung.items() if self.ladder[r].width > 1]
+        if not rows:
+            return chain_s, 0.0 if optimistic else WIDE_ROW_COST
+        return chain_s, max(0.0, min(rows) if optimistic else float(np.mean(rows)))
 
     def verify_flat(self, optimistic: bool) -> bool:
         """Whether an optimistic price verifies a tree at a target-only step's cost: only while every

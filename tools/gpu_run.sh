@@ -81,8 +81,11 @@ case $phase in
   real)
     site; staged "$TARGET"
     python3 tools/bench_gpu_real.py --model "$TARGET" --prompts tools/data/prompts_qwen.json --tokens 96 --out "$OUT/real.json"
+    # capacity: recorded trees cut to 16, 32 and 64 nodes against one-token steps. Under load the planner's trees
+    # shrink (its load factor prices nodes dearer); at 32 sessions 64-node trees make every step 1024 rows, GPU-bound
+    # (fifteenth session: 2.04x AR with 64 only, on a host that served AR 64 % faster than the fourteenth's)
     python3 tools/bench_gpu_verify.py --skip ceilings,checks,attention,matmuls,step,hf,mixed,capacity --model "$TARGET" \
-      --capacity-trace tools/data/rec_trees.jsonl --capacity-rejoin --capacity-sessions 1,8,32 --capacity-trees 1,64 \
+      --capacity-trace tools/data/rec_trees.jsonl --capacity-rejoin --capacity-sessions 1,8,32 --capacity-trees 1,16,32,64 \
       --capacity-s 3 --capacity-warmup-s 2 --out "$OUT/capacity.json"
     python3 tools/check_gpu_sampling.py --trials 65536 --batch 32 --out "$OUT/gpu_sampling.json"
     ;;

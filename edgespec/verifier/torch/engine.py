@@ -347,15 +347,10 @@ class Engine:
             T_real = max(T_real, n)
         widest = 0
         reserved = []
-        try:
+        try:   # until the decisions are in hand nothing is committed: a failure gives the reserved blocks back
             for s in steps:
                 widest = max(widest, s.seq.reserve(s.seq.length + len(s.tokens)))
                 reserved.append(s.seq)
-        except BaseException:
-            for seq in reserved:
-                seq.trim()
-            raise
-        try:   # until the decisions are in hand nothing is committed: a failure gives the reserved blocks back
             B, T = bucket(len(steps)), bucket(T_real)
             NB = self._table_blocks(widest)
             st = self._buffers(B, T, NB)
@@ -566,10 +561,12 @@ class Engine:
         else:
             tree_ops.move_rows_torch(self.cache.flat, src, dst)
         if out.is_cuda:
-            if st.host_out is None or st.host_out.shape != out.shape:   # the eager runs before a capture make it
+            if st.host_out is None:   # the eager runs before a capture make it; every mode's graph writes this one
                 if torch.cuda.is_current_stream_capturing():
                     raise RuntimeError("the pinned decisions buffer must exist before a graph capture")
                 st.host_out = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            elif st.host_out.shape != out.shape:   # a new buffer would leave captured graphs writing the old one
+                raise RuntimeError(f"decisions {tuple(out.shape)} do not fit the bucket's {tuple(st.host_out.shape)}")
             st.host_out.copy_(out, non_blocking=True)
         return out, logits
 

@@ -39,6 +39,7 @@ Medians over --iters after --warmup. Weights are random: timings only.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import datetime
 import json
@@ -322,6 +323,41 @@ def check_l2_warm() -> dict:
     """fused.L2_WARM (a side stream asks L2 for the next weights while attention runs) against none, at every
     row count: the graphs fork and rejoin, the warming reads weights only."""
     return same_steps_under([{"L2_WARM": 0}] + [{"L2_WARM": mb, "L2_WARM_ROWS": 1 << 20} for mb in (8, 32)])
+
+
+def check_last_merge(repeats: int = 50) -> dict:
+    """TritonPagedAttention.LAST_MERGE (a query tile's last split program merges, counted on device
+    counters) against float64 on check_kernel's shapes, against the merge launch, and against itself
+    over `repeats` launches of each shape: a program merging before every partial is visible would
+    show as an error or as launches that differ. Then the same graph steps with and without: the same
+    decisions (the logits may differ in the last bits: the splits are summed in another order)."""
+    from edgespec.verifier.torch.triton_attention import TritonPagedAttention
+
+    out: dict = {"rel_err": {}, "vs_merge_launch": {}, "repeatable": True}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rng = np.random.default_rng(0)
+    for B, T, ctx_len, Hq, Hkv in ((1, 1, 1000, 12, 2), (8, 64, 1000, 12, 2), (2, 64, 4096, 64, 8), (4, 128, 333, 12, 2)):
+        bs, D = 16, 128
+        nb = -(-(ctx_len + T) // bs)
+        cache = torch.randn(2, (B * nb + 8) * bs, Hkv, D, generator=g, device="cuda", dtype=torch.bfloat16)
+        tables = torch.from_numpy(rng.permutation(np.arange(1, B * nb + 1)).reshape(B, nb)).cuda()
+        ctx = torch.tensor([ctx_len - 17 * b for b in range(B)], device="cuda")
+        anc = torch.stack([torch.from_numpy(ancestor_mask(random_parents(T, rng))) for _ in range(B)]).cuda()
+        q = torch.randn(B, T, Hq, D, generator=g, device="cuda", dtype=torch.bfloat16)
+        ref = TorchPagedAttention(tables, ctx, anc, bs, Hq // Hkv)(q.double(), cache.double())
+        with kernel_knobs.override({"LAST_MERGE": 0}):
+            plain = TritonPagedAttention(tables, ctx, anc, bs, Hq // Hkv)(q, cache).double()
+        with kernel_knobs.override({"LAST_MERGE": 1}):
+            attn = TritonPagedAttention(tables, ctx, anc, bs, Hq // Hkv)
+            first = attn(q, cache)
+            for _ in range(repeats):
+                out["repeatable"] &= bool(torch.equal(attn(q, cache), first))
+        key = f"B{B}_T{T}_ctx{ctx_len}_H{Hq}/{Hkv}"
+        out["rel_err"][key] = float((first.double() - ref).norm() / ref.norm())
+        out["vs_merge_launch"][key] = float((first.double() - plain).abs().max())
+    steps = same_steps_under([{"LAST_MERGE": 0}, {"LAST_MERGE": 1}])
+    out.update(same_decisions=steps["same_decisions"], max_logit_diff=steps["max_logit_diff"])
+    return out
 
 
 def check_compaction() -> dict:
@@ -740,7 +776,7 @@ def interleaved_replays(variants: list[tuple[str, Engine]], rows: list[dict], wa
 
 
 def attention_launch(engine: Engine, B: int, T: int, context: int) -> list[int] | None:
-    """The tree-attention kernel's (BLOCK_M, BLOCK_N, stages, splits, warps) in a step of B
+    """The tree-attention kernel's (BLOCK_M, BLOCK_N, stages, splits, warps, merged in the kernel) in a step of B
     trees of T nodes at `context`, with the knobs in effect (None for another attention): tools/pick_knobs.py
     does not count a cell that an attention knob launches as the default does (its difference there is the
     run's noise)."""
@@ -751,7 +787,8 @@ def attention_launch(engine: Engine, B: int, T: int, context: int) -> list[int] 
     bs = engine.cache.block_size
     att = cls.__new__(cls)   # launch_config needs only the table width and a split count
     att.max_keys, att.nsplit = engine._table_blocks(-(-(context + T) // bs)) * bs, None
-    return [*att.launch_config(bucket(B), bucket(T) * c.group, c.n_head_kv), cls.NUM_WARPS]
+    config = att.launch_config(bucket(B), bucket(T) * c.group, c.n_head_kv)
+    return [*config, cls.NUM_WARPS, int(bool(cls.LAST_MERGE) and config[3] > 1)]
 
 
 def bench_mixed(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dict]:
@@ -814,8 +851,13 @@ class RecordedTrees:
     """Trees a real drafter made (tools/bench_tau.py --record-trees: the 0.5B draft + lookup pool on
     real prompts), replayed by one capacity client: at context length `at`, while the session's
     committed tokens still follow the recorded target answer, send the tree recorded there cut to
-    its first `budget` nodes (parents precede children, so a prefix is a tree); otherwise (the GPU
-    target chose another token at a near-tie, or past the recording) send a root-only tree. At the
+    its first `budget` nodes (parents precede children, so a prefix is a tree). Where no tree was
+    recorded at `at` (a smaller budget accepts fewer tokens, so the session stops between the
+    recorded steps), the last recorded tree before `at` is re-rooted at the node that holds the
+    committed path since then: the part of that draft which still applies, as a drafter's tree for
+    this context (shallower than a fresh draft, so small budgets are, if anything, undersold).
+    Otherwise (the GPU target chose another token at a near-tie, or past the recording) send a
+    root-only tree. At the
     end of the recorded answer the session rewinds to its prompt (a sync to a prefix of what the
     cache holds: no prefill). Acceptance is the GPU target's own: tokens/s here are real.
 
@@ -829,20 +871,43 @@ class RecordedTrees:
         self.prompt = list(item["prompt"])
         self.full = self.prompt + list(item["answer"])
         self.trees = {t["at"]: t for t in item["trees"]}
+        self.recorded_at = sorted(self.trees)
         self.budget = budget
         self.rejoin = rejoin
         self.on_track = True
-        self.recorded_steps = self.steps = self.rejoins = 0
+        self.recorded_steps = self.rerooted_steps = self.steps = self.rejoins = 0
 
     def next_tree(self, committed: list[int]) -> TokenTree:
         at = len(committed)
-        rec = self.trees.get(at) if self.on_track and self.budget > 1 else None
         self.steps += 1
+        rec = self.trees.get(at) or self._rerooted(at) if self.on_track and self.budget > 1 else None
         if rec is None:
             return TokenTree(tokens=np.array([committed[-1]]), parents=np.array([-1]))
         self.recorded_steps += 1
+        self.rerooted_steps += at not in self.trees
         n = min(self.budget, len(rec["tokens"]))
         return TokenTree(tokens=np.array(rec["tokens"][:n]), parents=np.array(rec["parents"][:n]))
+
+    def _rerooted(self, at: int) -> dict | None:
+        """The subtree of the last tree recorded before `at` under the node reached by following the
+        answer's tokens from its root to `at` (None where the draft did not hold that path): its nodes
+        in recorded order (parents still precede children), renumbered."""
+        i = bisect.bisect_left(self.recorded_at, at) - 1
+        if i < 0:
+            return None
+        rec = self.trees[self.recorded_at[i]]
+        tokens, parents = rec["tokens"], rec["parents"]
+        node = 0
+        for token in self.full[self.recorded_at[i]:at]:
+            node = next((c for c in range(node + 1, len(tokens)) if parents[c] == node and tokens[c] == token), None)
+            if node is None:
+                return None
+        index = {node: 0}
+        for c in range(node + 1, len(tokens)):
+            if parents[c] in index:
+                index[c] = len(index)
+        keep = list(index)
+        return {"tokens": [tokens[c] for c in keep], "parents": [-1] + [index[parents[c]] for c in keep[1:]]}
 
     def after(self, at: int, tokens: list[int]) -> list[int] | None:
         """Track the answer; the context to sync the session to (None: carry on as committed): the
@@ -976,6 +1041,7 @@ def bench_capacity(args, config: ModelConfig, dtype, model: TransformerLM | None
                    "captures_measured": captured_during}
             if trace:
                 row["recorded_tree_share"] = sum(x.recorded_steps for x in sources) / max(1, sum(x.steps for x in sources))
+                row["rerooted_tree_share"] = sum(x.rerooted_steps for x in sources) / max(1, sum(x.steps for x in sources))
                 row["rejoin"] = bool(args.capacity_rejoin)
                 row["rejoins_per_step"] = sum(x.rejoins for x in sources) / max(1, sum(x.steps for x in sources))
             rows.append(row)
@@ -1086,7 +1152,8 @@ def main() -> int:
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--skip", default="",
                    help="comma-separated sections to skip: ceilings,checks,attention,matmuls,step,mixed,hf,capacity")
-    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope,rows_rope,move_rows,tree_split,pdl,l2_warm",
+    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope,rows_rope,move_rows,tree_split,pdl,l2_warm,"
+                   "last_merge",
                    help="which checks the checks section runs")
     p.add_argument("--small-rows-matmul", default="",
                    help="step cells with these Engine small_rows_matmul values, comma-separated: off (0), on (64) "
@@ -1158,7 +1225,8 @@ def main() -> int:
                                "RoPE in the 16-row wqkv matmul vs its own launch"),
                               ("move_rows", check_move_rows, "the compaction copy kernel vs index_copy_"),
                               ("pdl", check_pdl, "programmatic dependent launch vs plain launches"),
-                              ("l2_warm", check_l2_warm, "the next weights warmed into L2 beside attention vs not")):
+                              ("l2_warm", check_l2_warm, "the next weights warmed into L2 beside attention vs not"),
+                              ("last_merge", check_last_merge, "the attention's splits merged by their last program")):
         if cuda and "checks" not in skip and name in checks:
             try:
                 result[f"{name}_check"] = check()

@@ -63,17 +63,6 @@ def test_launch_timing_knobs_win_only_with_bit_identical_steps(knob, check):
     assert pick(run_of(times, **{other: same}))[0] == {}   # the other knob's check does not stand in
 
 
-def test_the_last_program_merge_wins_only_when_exact_repeatable_and_deciding_the_same():
-    times = {"triton": (1.6, 2.2, 4.2), "triton!LAST_MERGE=1": (1.5, 2.1, 4.0)}
-    good = {"rel_err": {"B1_T1": 0.002, "B8_T64": 0.002}, "repeatable": True, "same_decisions": True,
-            "max_logit_diff": 0.06}
-    assert pick(run_of(times, last_merge_check=good))[0] == {"LAST_MERGE": 1}
-    for bad in ({**good, "repeatable": False}, {**good, "same_decisions": False},
-                {**good, "rel_err": {"B1_T1": 0.002, "B8_T64": 0.3}}, {"error": "RuntimeError: capture"}):
-        assert pick(run_of(times, last_merge_check=bad))[0] == {}
-    assert pick(run_of(times))[0] == {}   # no check in the run: no win
-
-
 def test_an_attention_knob_is_judged_where_it_changes_the_launch_against_the_runs_noise():
     """TARGET_PROGRAMS only changes the split count of cells with few programs: where it launches as the
     default does, the step is the same graph, and its difference there is the run's noise (the eleventh

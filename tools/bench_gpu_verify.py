@@ -325,41 +325,6 @@ def check_l2_warm() -> dict:
     return same_steps_under([{"L2_WARM": 0}] + [{"L2_WARM": mb, "L2_WARM_ROWS": 1 << 20} for mb in (8, 32)])
 
 
-def check_last_merge(repeats: int = 50) -> dict:
-    """TritonPagedAttention.LAST_MERGE (a query tile's last split program merges, counted on device
-    counters) against float64 on check_kernel's shapes, against the merge launch, and against itself
-    over `repeats` launches of each shape: a program merging before every partial is visible would
-    show as an error or as launches that differ. Then the same graph steps with and without: the same
-    decisions (the logits may differ in the last bits: the splits are summed in another order)."""
-    from edgespec.verifier.torch.triton_attention import TritonPagedAttention
-
-    out: dict = {"rel_err": {}, "vs_merge_launch": {}, "repeatable": True}
-    g = torch.Generator(device="cuda").manual_seed(0)
-    rng = np.random.default_rng(0)
-    for B, T, ctx_len, Hq, Hkv in ((1, 1, 1000, 12, 2), (8, 64, 1000, 12, 2), (2, 64, 4096, 64, 8), (4, 128, 333, 12, 2)):
-        bs, D = 16, 128
-        nb = -(-(ctx_len + T) // bs)
-        cache = torch.randn(2, (B * nb + 8) * bs, Hkv, D, generator=g, device="cuda", dtype=torch.bfloat16)
-        tables = torch.from_numpy(rng.permutation(np.arange(1, B * nb + 1)).reshape(B, nb)).cuda()
-        ctx = torch.tensor([ctx_len - 17 * b for b in range(B)], device="cuda")
-        anc = torch.stack([torch.from_numpy(ancestor_mask(random_parents(T, rng))) for _ in range(B)]).cuda()
-        q = torch.randn(B, T, Hq, D, generator=g, device="cuda", dtype=torch.bfloat16)
-        ref = TorchPagedAttention(tables, ctx, anc, bs, Hq // Hkv)(q.double(), cache.double())
-        with kernel_knobs.override({"LAST_MERGE": 0}):
-            plain = TritonPagedAttention(tables, ctx, anc, bs, Hq // Hkv)(q, cache).double()
-        with kernel_knobs.override({"LAST_MERGE": 1}):
-            attn = TritonPagedAttention(tables, ctx, anc, bs, Hq // Hkv)
-            first = attn(q, cache)
-            for _ in range(repeats):
-                out["repeatable"] &= bool(torch.equal(attn(q, cache), first))
-        key = f"B{B}_T{T}_ctx{ctx_len}_H{Hq}/{Hkv}"
-        out["rel_err"][key] = float((first.double() - ref).norm() / ref.norm())
-        out["vs_merge_launch"][key] = float((first.double() - plain).abs().max())
-    steps = same_steps_under([{"LAST_MERGE": 0}, {"LAST_MERGE": 1}])
-    out.update(same_decisions=steps["same_decisions"], max_logit_diff=steps["max_logit_diff"])
-    return out
-
-
 def check_compaction() -> dict:
     """Compaction between CUDA-graph steps: two engines on the same tiny float32 model run the same
     steps; one compacts the cache before every step (threshold 0, checked every call), after short
@@ -776,7 +741,7 @@ def interleaved_replays(variants: list[tuple[str, Engine]], rows: list[dict], wa
 
 
 def attention_launch(engine: Engine, B: int, T: int, context: int) -> list[int] | None:
-    """The tree-attention kernel's (BLOCK_M, BLOCK_N, stages, splits, warps, merged in the kernel) in a step of B
+    """The tree-attention kernel's (BLOCK_M, BLOCK_N, stages, splits, warps) in a step of B
     trees of T nodes at `context`, with the knobs in effect (None for another attention): tools/pick_knobs.py
     does not count a cell that an attention knob launches as the default does (its difference there is the
     run's noise)."""
@@ -787,8 +752,7 @@ def attention_launch(engine: Engine, B: int, T: int, context: int) -> list[int] 
     bs = engine.cache.block_size
     att = cls.__new__(cls)   # launch_config needs only the table width and a split count
     att.max_keys, att.nsplit = engine._table_blocks(-(-(context + T) // bs)) * bs, None
-    config = att.launch_config(bucket(B), bucket(T) * c.group, c.n_head_kv)
-    return [*config, cls.NUM_WARPS, int(bool(cls.LAST_MERGE) and config[3] > 1)]
+    return [*att.launch_config(bucket(B), bucket(T) * c.group, c.n_head_kv), cls.NUM_WARPS]
 
 
 def bench_mixed(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dict]:
@@ -950,6 +914,10 @@ def bench_capacity(args, config: ModelConfig, dtype, model: TransformerLM | None
     trees = [int(t) for t in args.capacity_trees.split(",")]
     backend = TorchBackend.from_model(model, n_ctx=n_ctx, max_nodes=max(max(trees), 2), max_depth=32,
                                       max_sessions=max(sizes))
+    # every (batch, tree) bucket captured before the first row: a bucket's first capture (Triton compiling
+    # its kernels for the shape) takes seconds, and the warm-up below cannot see one in progress; caught in
+    # a measured window it stalls every session (the sixteenth session's 1-session rows)
+    backend.engine.warmup(range(1, max(sizes) + 1), range(1, max(trees) + 1), sampled=False)
 
     engine_lock = threading.Lock()
 
@@ -1152,8 +1120,7 @@ def main() -> int:
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--skip", default="",
                    help="comma-separated sections to skip: ceilings,checks,attention,matmuls,step,mixed,hf,capacity")
-    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope,rows_rope,move_rows,tree_split,pdl,l2_warm,"
-                   "last_merge",
+    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope,rows_rope,move_rows,tree_split,pdl,l2_warm",
                    help="which checks the checks section runs")
     p.add_argument("--small-rows-matmul", default="",
                    help="step cells with these Engine small_rows_matmul values, comma-separated: off (0), on (64) "
@@ -1225,8 +1192,7 @@ def main() -> int:
                                "RoPE in the 16-row wqkv matmul vs its own launch"),
                               ("move_rows", check_move_rows, "the compaction copy kernel vs index_copy_"),
                               ("pdl", check_pdl, "programmatic dependent launch vs plain launches"),
-                              ("l2_warm", check_l2_warm, "the next weights warmed into L2 beside attention vs not"),
-                              ("last_merge", check_last_merge, "the attention's splits merged by their last program")):
+                              ("l2_warm", check_l2_warm, "the next weights warmed into L2 beside attention vs not")):
         if cuda and "checks" not in skip and name in checks:
             try:
                 result[f"{name}_check"] = check()

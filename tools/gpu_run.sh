@@ -64,11 +64,12 @@ case $phase in
     # epilogue (SMALL_ROWS_AUTO=1, whose only None entry left is that one) lost too. The fifteenth session's: wo and
     # the first lines of gate/up warmed into L2 by a side stream while attention runs (L2_WARM MB; L2_WARM_ROWS) won at
     # <= 16 rows in two calls and is the default (32 MB); at 1 x 64 every budget lost, 1024 rows a warming program lost.
-    # Pending (sixteenth session): LAST_MERGE=1, the attention's splits merged by each query tile's last program
-    # instead of a merge launch (checked by last_merge). Add a variant as 'triton,triton!KNOB=V' (with the pdl check
-    # for PDL or TRIGGER, l2_warm for L2_WARM, last_merge for LAST_MERGE).
+    # The sixteenth session's: each query tile's last split program merging the splits (an arrival counter on the
+    # device; no merge launch) was exact and repeatable but lost 9-28 % in every cell (its dependent per-split loads
+    # run serially in one program) and was removed. No candidate is pending: the phase times the defaults; add a
+    # variant as 'triton,triton!KNOB=V' (with the pdl check for PDL or TRIGGER, l2_warm for L2_WARM).
     EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,capacity,mixed,hf,matmuls \
-      --checks kernel,engine,l2_warm,last_merge --trees 1,16,64 --attention 'triton,triton!LAST_MERGE=1' \
+      --checks kernel,engine,l2_warm --trees 1,16,64 --attention 'triton' \
       "${ITERS[@]}" --out "$OUT/variants.json" \
       && python3 tools/pick_knobs.py "$OUT/variants.json" --env "$OUT/knobs.env" && cp "$OUT/knobs.env" "$KNOBS_FILE"
     ;;

@@ -56,12 +56,6 @@ def check_passed(result: dict, knob: str, value: int) -> tuple[bool, str]:
         c = result.get("tree_split_check_rel_err") or {}
         ok = bool(c) and all(isinstance(v, float) and v < 1e-2 for v in c.values())
         return ok, f"tree_split_check_rel_err {c}"
-    if knob == "LAST_MERGE":
-        c = result.get("last_merge_check") or {}
-        errs = list((c.get("rel_err") or {}).values())
-        ok = (bool(errs) and all(e < 1e-2 for e in errs) and c.get("repeatable") is True
-              and c.get("same_decisions") is True)
-        return ok, f"last_merge_check {c}"
     if knob in ("PDL", "TRIGGER", "L2_WARM"):
         name = "l2_warm_check" if knob == "L2_WARM" else "pdl_check"
         c = result.get(name) or {}

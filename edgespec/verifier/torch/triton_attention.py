@@ -7,8 +7,7 @@ K/V tile is read once per group and the matrix products are G*T rows tall (GQA-a
 sequence's cache positions 0..ctx+T-1, read through the block table (no gather into a contiguous
 copy, no concatenation); the tree part is masked with packed ancestor bits ([B, T, ceil(T/32)]
 int32, bit j of row t: node j is t or an ancestor of t). Long contexts are split over several
-programs (flash-decoding); the splits are merged with their log-sum-exp by a second small kernel or
-(knob LAST_MERGE) by whichever program of a query tile finishes last, counted on a device counter. The
+programs (flash-decoding); a second small kernel merges the splits with their log-sum-exp. The
 query tiles of one (sequence, KV head) are adjacent programs, so its K/V is read from HBM about once
 and then from L2; in the key loop each tile's block ids are loaded one tile ahead, so its K/V loads
 wait on no table load.
@@ -98,38 +97,12 @@ def _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_
 
 
 @triton.jit
-def _merge_splits(Acc, M, L, O, pid_bh, rows, row_ok, b, h, t, g, d, T, G, MT, H_Q: tl.constexpr, D: tl.constexpr,
-                  NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr):
-    """LAST_MERGE: the log-sum-exp merge of every split's partial result for one query tile, done by the
-    tile's last program, split after split in index order (whichever program is last, the sums are the
-    same). Partials are read past L1 (.cg): other SMs wrote them, and this SM may hold stale lines of
-    the same buffer from an earlier layer."""
-    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(NSPLIT):
-        m_max = tl.maximum(m_max, tl.load(M + (pid_bh * NSPLIT + s) * MT + rows, mask=row_ok, other=float("-inf"),
-                                          cache_modifier=".cg"))
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    num = tl.zeros([BLOCK_M, D], tl.float32)
-    den = tl.zeros([BLOCK_M], tl.float32)
-    for s in range(NSPLIT):
-        base = (pid_bh * NSPLIT + s) * MT + rows
-        w = tl.exp2(tl.load(M + base, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m_max)
-        den += w * tl.load(L + base, mask=row_ok, other=0.0, cache_modifier=".cg")
-        num += w[:, None] * tl.load(Acc + base[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0,
-                                    cache_modifier=".cg")
-    out = num / tl.maximum(den, 1e-30)[:, None]
-    o_ptr = O + ((b * T + t) * H_Q + h * G + g)[:, None] * D + d[None, :]
-    tl.store(o_ptr, out.to(O.dtype.element_ty), mask=row_ok[:, None])
-
-
-@triton.jit
-def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O, Count,
+def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
                      sm_scale, kv_stride_kv, n_tables, T, G, W, MT,
                      MAX_TILES: tl.constexpr, INTERPRET: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr,
                      D: tl.constexpr, BS: tl.constexpr,
                      NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     M_FIRST: tl.constexpr, TREE_SPLIT: tl.constexpr, OFF32: tl.constexpr, GDC: tl.constexpr,
-                     LAST_MERGE: tl.constexpr):
+                     M_FIRST: tl.constexpr, TREE_SPLIT: tl.constexpr, OFF32: tl.constexpr, GDC: tl.constexpr):
     gdc_enter(GDC)
     if M_FIRST:   # the query tiles of one (sequence, KV head) side by side: they read the same K/V
         pid_m = tl.program_id(0)
@@ -201,16 +174,6 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O, Count,
         tl.store(M + base, m_i, mask=row_ok)
         tl.store(L + base, l_i, mask=row_ok)
         tl.store(Acc + base[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
-        if LAST_MERGE:   # count this split in; the tile's last program merges (CUTLASS's semaphore pattern)
-            if M_FIRST:
-                tile = pid_bh * tl.num_programs(0) + pid_m
-            else:
-                tile = pid_bh * tl.num_programs(2) + pid_m
-            tl.debug_barrier()   # every thread's partials stored before the count is released
-            done = tl.atomic_add(Count + tile, 1, sem="acq_rel", scope="gpu")
-            if done == NSPLIT - 1:
-                _merge_splits(Acc, M, L, O, pid_bh, rows, row_ok, b, h, t, g, d, T, G, MT, H_Q, D, NSPLIT, BLOCK_M)
-                tl.store(Count + tile, 0)   # ready for the next launch (kernels in one stream run in order)
 
 
 @triton.jit
@@ -240,27 +203,6 @@ def _tree_attn_merge(Acc, M, L, O, T, G, MT,
     tl.store(O + ((b * T + t) * H_Q + h * G + g) * D + d, out.to(O.dtype.element_ty))
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []   # outgrown counter buffers: graphs captured with them still use them
-
-
-def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
-    """LAST_MERGE's arrival counters, one per query tile: zeros that every launch leaves at zero again
-    (the last program resets its tile's). One buffer per device, made outside any CUDA-graph capture
-    (graphs keep its address), big enough for every bucket the engine captures: the engine runs one
-    step at a time on a device, so launches never overlap on it."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("LAST_MERGE counters first needed inside a CUDA-graph capture: run the bucket "
-                               "once before capturing it")
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
-
-
 class TritonPagedAttention:
     """Same constructor and call as TorchPagedAttention; the split count is fixed per shape bucket
     (tables' width), so the launch is CUDA-graph safe (lengths are read on the device)."""
@@ -281,8 +223,6 @@ class TritonPagedAttention:
                             # 6 query heads per KV head: 96 rows in 3 tiles, where 2 tiles of 64 compute 32 padding rows).
                             # Off: on the H200 (2026-12-03, docs/BENCHMARKS.md fourteenth session, replays round-robin)
                             # 1 x 16 -0.6 % (noise), 8 x 16 +5.6 %
-    LAST_MERGE = 0          # 1: no merge launch; a query tile's last split program merges the partials
-                            # (counters in _merge_counters). Pending: to be timed on the H200
     TREE_SPLIT = 0          # 1: one more split that takes the tree's (masked) keys alone, so that the context's
                             # programs run unmasked tiles only and the tree tile's unpipelined loads overlap them.
                             # Off: on the H200 (2026-12-02, docs/BENCHMARKS.md ninth session) steps were up to 4.6 %
@@ -359,18 +299,16 @@ class TritonPagedAttention:
         W = self.bits.shape[2]
         grid = (m_tiles, ns, B * Hkv) if self.M_FIRST else (B * Hkv, ns, m_tiles)
         gdc = pdl.launch_args(q.device, B * T)
-        last_merge = bool(self.LAST_MERGE) and ns > 1
-        count = _merge_counters(q.device, B * Hkv * m_tiles) if last_merge else m
         _tree_attn_split[grid](
-            q, cache, self.tables, self.ctx, self.bits, acc, m, l_, out, count,
+            q, cache, self.tables, self.ctx, self.bits, acc, m, l_, out,
             1.0 / math.sqrt(D), cache.stride(0), self.tables.shape[1], T, G, W, MT,
             # (the interpreter's loop bound: a context split's tiles, or the tree's T keys in a split of their own)
             MAX_TILES=max(triton.cdiv(triton.cdiv(self.max_keys + T, block_n), max(1, ns - self.TREE_SPLIT)),
                           triton.cdiv(T, block_n) if self.TREE_SPLIT else 0) + 1 if INTERPRET else 0,
             INTERPRET=INTERPRET, H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=block_m, BLOCK_N=block_n,
             M_FIRST=bool(self.M_FIRST), TREE_SPLIT=bool(self.TREE_SPLIT), OFF32=cache.numel() < 2 ** 31,
-            LAST_MERGE=last_merge, num_warps=self.NUM_WARPS, num_stages=stages, **gdc)
-        if ns > 1 and not last_merge:
+            num_warps=self.NUM_WARPS, num_stages=stages, **gdc)
+        if ns > 1:
             _tree_attn_merge[(B * Hkv, MT)](acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns,
                                            SPLITS_P2=triton.next_power_of_2(ns), num_warps=1, **gdc)
         return out

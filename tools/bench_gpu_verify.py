@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from edgespec.common.acceptance import accept_greedy  # noqa: E402
 from edgespec.common.tree import TokenTree  # noqa: E402
@@ -374,15 +375,20 @@ def check_compaction() -> dict:
 
 # -- 3. attention kernels ---------------------------------------------------------------------
 def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict,
-                    configs: str = "0x0w4s0,64x64w4s3,64x32w4s2,128x32w4s2") -> list[dict]:
+                    configs: str = "0x0w4s0,64x64w4s3,64x32w4s2,128x32w4s2", heads: tuple[int, int] = (64, 8)
+                    ) -> list[dict]:
+    """The tree attention kernel against maskless SDPA at each shape (B, L) or (B, L, T): T tree nodes
+    (default `T`) over L context keys, `heads` (query, KV). A config is "BMxBNwWARPSsSTAGES[/SPLITS][!KNOB=V]"
+    (0x0: the kernel's own choice; /SPLITS pins the key splits, else the split policy picks them)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from edgespec.verifier.torch.triton_attention import TritonPagedAttention
 
     rows = []
-    Hq, Hkv, D, bs = 64, 8, 128, 16
+    (Hq, Hkv), D, bs = heads, 128, 16
     rng = np.random.default_rng(3)
-    for B, L in shapes:
+    for shape in shapes:
+        B, L, T = (*shape, T)[:3]
         nb = -(-(L + T) // bs)
         cache = torch.randn(2, (B * nb + 1) * bs, Hkv, D, device="cuda", dtype=torch.bfloat16)
         tables = torch.from_numpy(rng.permutation(np.arange(1, B * nb + 1)).reshape(B, nb)).cuda()
@@ -393,18 +399,19 @@ def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict,
         kv_bytes = 2 * B * N * Hkv * D * 2
         flops = 4 * B * Hq * T * N * D
         floor = max(kv_bytes / ceil["copy_bytes_per_s"], flops / ceil["bf16_flop_per_s"]) * 1000
-        row = {"batch": B, "context": L, "tree": T, "floor_ms": floor, "hbm_floor_ms": kv_bytes / ceil["copy_bytes_per_s"] * 1000,
+        row = {"batch": B, "context": L, "tree": T, "heads": f"{Hq}/{Hkv}", "floor_ms": floor, "hbm_floor_ms": kv_bytes / ceil["copy_bytes_per_s"] * 1000,
                "compute_floor_ms": flops / ceil["bf16_flop_per_s"] * 1000}
         graphs = {}   # config -> 20 calls in one graph; all captured first, then timed interleaved
         for i, cfg in enumerate(configs.split(",")):   # "BMxBNwWARPSsSTAGES[!KNOB=V:KNOB=V]"; 0x0: its own choice
             spec, _, extra = cfg.partition("!")
+            spec, _, splits = spec.partition("/")
             tile, _, rest = spec.partition("w")
             bm, bn = (int(v) for v in tile.split("x"))
             warps, stages = (int(v) for v in rest.split("s"))
             knobs = knob_values(extra)
             try:
                 with attention_knobs(BLOCK_M=bm, BLOCK_N=bn, NUM_WARPS=warps, NUM_STAGES=stages, **knobs):
-                    att = TritonPagedAttention(tables, ctx, anc, bs, Hq // Hkv)
+                    att = TritonPagedAttention(tables, ctx, anc, bs, Hq // Hkv, int(splits) if splits else None)
                     graphs[cfg] = captured([lambda: att(q, cache)] * 20)
                     if i == 0:   # one call at a time from Python, as before 2026-12-02
                         row["triton_percall_ms"] = cuda_ms(lambda: att(q, cache), warmup, iters)
@@ -448,6 +455,73 @@ def bench_attention(shapes, T: int, warmup: int, iters: int, ceil: dict,
     return rows
 
 
+def bench_top2(rows_list: list[int], configs: str, iters: int, vocab: int = 151936) -> list[dict]:
+    """fused.argmax_top2 (the greedy step's argmax and margin over the bf16 logits) per chunk config
+    "BLOCKwWARPS", each as 20 calls in one graph, timed round-robin; checked against torch's."""
+    from edgespec.verifier.torch import fused
+
+    out = []
+    for rows in rows_list:
+        logits = torch.randn(rows, vocab, device="cuda").to(torch.bfloat16)
+        ref_arg = logits.float().argmax(-1)
+        row: dict = {"rows": rows, "floor_us": rows * vocab * 2 / 4.24e12 * 1e6}
+        graphs = {}
+        for cfg in configs.split(","):
+            block, warps = (int(v) for v in cfg.split("w"))
+            arg, _ = fused.argmax_top2(logits, block, warps)
+            row[f"{cfg}_argmax_equal"] = bool(torch.equal(arg, ref_arg))
+            graphs[cfg] = captured([lambda b=block, w=warps: fused.argmax_top2(logits, b, w)] * 20)
+        times = interleaved_ms([g.replay for g in graphs.values()], 3, iters)
+        for cfg, ms in zip(graphs, times):
+            row[f"{cfg}_us"] = ms / 20 * 1000
+        out.append(row)
+        log("[top2]", json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}))
+        del graphs
+    return out
+
+
+def bench_gate_up(rows_list: list[int], configs: str, iters: int, d: int = 1536, f: int = 8960) -> list[dict]:
+    """Many rows' gate/up (Qwen2.5-1.5B shape): cuBLAS F.linear + silu_mul (the forward past
+    LINEAR_ROWS_MAX) against fused.gate_up_silu per config "BMxBNxBKwWARPSsSTAGES", 20 calls a graph,
+    round-robin; also each of the four block matmuls under cuBLAS and cuBLASLt (preferred_blas_library)."""
+    from edgespec.verifier.torch import fused
+
+    out = []
+    w13 = torch.randn(2 * f, d, device="cuda", dtype=torch.bfloat16) / d ** 0.5
+    mats = {"wqkv": torch.randn(2048, d, device="cuda", dtype=torch.bfloat16), "wo": torch.randn(d, d, device="cuda",
+            dtype=torch.bfloat16), "w13": w13, "w2": torch.randn(d, f, device="cuda", dtype=torch.bfloat16)}
+    for rows in rows_list:
+        x = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
+        act = fused.silu_mul(F.linear(x, w13))
+        ref = act.float()
+        row: dict = {"rows": rows, "flop_floor_us": 2 * rows * 2 * f * d / 989e12 * 1e6}
+        graphs = {"cublas+silu_mul": captured([lambda: fused.silu_mul(F.linear(x, w13))] * 20)}
+        for cfg in configs.split(","):
+            tile, _, rest = cfg.partition("w")
+            bm, bn, bk = (int(v) for v in tile.split("x"))
+            warps, stages = (int(v) for v in rest.split("s"))
+            c = (bm, bn, bk, warps, stages)
+            try:
+                got = fused.gate_up_silu(x, w13, c).float()
+                row[f"{cfg}_max_rel_err"] = float(((got - ref).abs().max() / ref.abs().max()))
+                graphs[cfg] = captured([lambda c=c: fused.gate_up_silu(x, w13, c)] * 20)
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit: report, go on
+                row[cfg] = f"error: {type(exc).__name__}: {str(exc)[:120]}"
+        for lib in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(lib)
+            for name, w in mats.items():
+                xin = x if w.shape[1] == d else act   # w2 takes the [rows, f] activations
+                graphs[f"{name}_{lib}"] = captured([lambda w=w, xin=xin: F.linear(xin, w)] * 20)
+        torch.backends.cuda.preferred_blas_library("cublas")
+        times = interleaved_ms([g.replay for g in graphs.values()], 3, iters)
+        for name, ms in zip(graphs, times):
+            row[f"{name}_us"] = ms / 20 * 1000
+        out.append(row)
+        log("[gate_up]", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
+        del graphs
+    return out
+
+
 # -- 6. small-rows matmuls --------------------------------------------------------------------
 MATMULS = {"wqkv": (2048, 1536, True), "wo": (1536, 1536, False), "w13": (17920, 1536, False),
            "w2": (1536, 8960, False)}
@@ -488,7 +562,6 @@ def bench_matmuls(args, ceil: dict | None) -> dict:
     cuBLAS column is F.linear alone; cublas_silu_us adds the silu_mul launch it needs), so w2 takes
     SiLU*up as input. Rows > 1 (and w13): the balanced default (COLS 0 in the record) and
     MATMUL_CANDIDATES; one row: the GEMV's table config and GEMV_CANDIDATES."""
-    import torch.nn.functional as F
 
     from edgespec.verifier.torch import fused
 
@@ -1129,9 +1202,16 @@ def main() -> int:
     p.add_argument("--matmul-sweep", action="store_true", help="time MATMUL_CANDIDATES block configs too")
     p.add_argument("--matmul-pick", action="store_true",
                    help="with --matmul-sweep: the fastest configs replace fused.LINEAR_ROWS_TABLE's for the step")
-    p.add_argument("--attention-shapes", default="8x4096,32x2048,8x32768")
+    p.add_argument("--attention-shapes", default="8x4096,32x2048,8x32768",
+                   help="BxL (64 tree nodes) or BxLxT, comma-separated")
+    p.add_argument("--attention-heads", default="64/8", help="query/KV heads of the attention shapes")
     p.add_argument("--attention-configs", default="0x0w4s0,64x64w4s3,64x32w4s2,128x32w4s2",
                    help="Triton tile configurations to time: BMxBNwWARPSsSTAGES, comma-separated (0: the kernel's own choice)")
+    p.add_argument("--top2-configs", default="", help="time argmax_top2 chunk configs BLOCKwWARPS (comma-separated)")
+    p.add_argument("--top2-rows", default="16,64,512")
+    p.add_argument("--gate-up-configs", default="",
+                   help="time fused.gate_up_silu configs BMxBNxBKwWARPSsSTAGES against cuBLAS + silu_mul")
+    p.add_argument("--gate-up-rows", default="128,512,1024")
     p.add_argument("--mixed-batches", default="1,7,8", help="trees per step in the mixed prefill section")
     p.add_argument("--capacity-sessions", default="1,8,32")
     p.add_argument("--capacity-trees", default="1,16,32")
@@ -1201,7 +1281,13 @@ def main() -> int:
             log(f"[check] {what}:", json.dumps(result[f"{name}_check"]))
     if cuda and ceil and "attention" not in skip:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.attention_shapes.split(",")]
-        result["attention"] = bench_attention(shapes, 64, args.warmup, args.iters, ceil, args.attention_configs)
+        heads = tuple(int(h) for h in args.attention_heads.split("/"))
+        result["attention"] = bench_attention(shapes, 64, args.warmup, args.iters, ceil, args.attention_configs, heads)
+    if cuda and args.gate_up_configs:
+        result["gate_up"] = bench_gate_up([int(r) for r in args.gate_up_rows.split(",")], args.gate_up_configs,
+                                          args.iters)
+    if cuda and args.top2_configs:
+        result["top2"] = bench_top2([int(r) for r in args.top2_rows.split(",")], args.top2_configs, args.iters)
     if cuda and not args.small and "matmuls" not in skip:
         result["matmuls"] = bench_matmuls(args, ceil)
     config = ModelConfig.tiny("qwen2") if args.small else ModelConfig.qwen2_1_5b()

@@ -225,42 +225,6 @@ def test_linear_silu_equals_matmul_then_silu_mul(rows):
         fused.linear_silu(x, w, config=(8, 16, 2, 4, 2))
 
 
-def test_gate_up_silu_equals_matmul_then_silu_mul(monkeypatch):
-    """gate_up_silu (the many-rows GEMM with SiLU*up as its epilogue) against silu_mul(F.linear(...)),
-    float32: ragged row, column and K blocks, whole ones; in the fused forward from GATE_UP_SILU_ROWS
-    rows on, in place of F.linear + silu_mul, with the same logits."""
-    from edgespec.verifier.torch import fused
-    from edgespec.verifier.torch.engine import Engine
-    from edgespec.verifier.torch.model import ModelConfig, TransformerLM
-
-    g = torch.Generator().manual_seed(41)
-    for rows, f, k, cfg in [(70, 40, 100, (32, 16, 32, 4, 2)),   # every block ragged
-                            (64, 32, 64, (32, 16, 32, 4, 2)),    # every block whole
-                            (3, 24, 48, None)]:                  # the default config, fewer rows than a block
-        x = torch.randn(rows, k, generator=g)
-        w = torch.randn(2 * f, k, generator=g) / k ** 0.5
-        got = fused.gate_up_silu(x, w, config=cfg)
-        assert got.shape == (rows, f)
-        assert torch.allclose(got, fused.linear_silu_torch(x, w), atol=1e-5)
-    with pytest.raises(ValueError, match="gate_up_silu"):
-        fused.gate_up_silu(x, w[:, :-1].contiguous())
-    c = ModelConfig.tiny("qwen2")
-    model = TransformerLM.random(c, dtype=torch.float32, seed=7)
-    rng = np.random.default_rng(8)
-    prefix, tokens, parents = rng.integers(0, 512, size=9).tolist(), rng.integers(0, 512, size=5).tolist(), [-1, 0, 0, 1, 2]
-    calls, out = [], []
-    real = fused.gate_up_silu
-    monkeypatch.setattr(fused, "gate_up_silu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    for knob in (0, 5):
-        monkeypatch.setattr(fused, "GATE_UP_SILU_ROWS", knob)
-        engine = Engine(model, num_blocks=16, block_size=4, attention="torch", fused=True, small_rows_matmul=0)
-        seq = engine.new_sequence()
-        engine.prefill(seq, prefix)
-        out.append(engine.logits(seq, tokens, parents))
-    assert len(calls) == 2 * c.n_layer   # the 9-token prefill chunk and the 5-node tree step, every layer
-    assert torch.allclose(out[0], out[1], atol=1e-4), float((out[0] - out[1]).abs().max())
-
-
 def test_balanced_config_gives_every_sm_an_equal_share():
     """balanced_config on the H200's 132 SMs: the programs cover every output column once, at most one
     program per SM, and no program holds more than one column more than an equal share."""

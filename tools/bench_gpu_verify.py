@@ -480,48 +480,6 @@ def bench_top2(rows_list: list[int], configs: str, iters: int, vocab: int = 1519
     return out
 
 
-def bench_gate_up(rows_list: list[int], configs: str, iters: int, d: int = 1536, f: int = 8960) -> list[dict]:
-    """Many rows' gate/up (Qwen2.5-1.5B shape): cuBLAS F.linear + silu_mul (the forward past
-    LINEAR_ROWS_MAX) against fused.gate_up_silu per config "BMxBNxBKwWARPSsSTAGES", 20 calls a graph,
-    round-robin; also each of the four block matmuls under cuBLAS and cuBLASLt (preferred_blas_library)."""
-    from edgespec.verifier.torch import fused
-
-    out = []
-    w13 = torch.randn(2 * f, d, device="cuda", dtype=torch.bfloat16) / d ** 0.5
-    mats = {"wqkv": torch.randn(2048, d, device="cuda", dtype=torch.bfloat16), "wo": torch.randn(d, d, device="cuda",
-            dtype=torch.bfloat16), "w13": w13, "w2": torch.randn(d, f, device="cuda", dtype=torch.bfloat16)}
-    for rows in rows_list:
-        x = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
-        act = fused.silu_mul(F.linear(x, w13))
-        ref = act.float()
-        row: dict = {"rows": rows, "flop_floor_us": 2 * rows * 2 * f * d / 989e12 * 1e6}
-        graphs = {"cublas+silu_mul": captured([lambda: fused.silu_mul(F.linear(x, w13))] * 20)}
-        for cfg in configs.split(","):
-            tile, _, rest = cfg.partition("w")
-            bm, bn, bk = (int(v) for v in tile.split("x"))
-            warps, stages = (int(v) for v in rest.split("s"))
-            c = (bm, bn, bk, warps, stages)
-            try:
-                got = fused.gate_up_silu(x, w13, c).float()
-                row[f"{cfg}_max_rel_err"] = float(((got - ref).abs().max() / ref.abs().max()))
-                graphs[cfg] = captured([lambda c=c: fused.gate_up_silu(x, w13, c)] * 20)
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit: report, go on
-                row[cfg] = f"error: {type(exc).__name__}: {str(exc)[:120]}"
-        for lib in ("cublas", "cublaslt"):
-            torch.backends.cuda.preferred_blas_library(lib)
-            for name, w in mats.items():
-                xin = x if w.shape[1] == d else act   # w2 takes the [rows, f] activations
-                graphs[f"{name}_{lib}"] = captured([lambda w=w, xin=xin: F.linear(xin, w)] * 20)
-        torch.backends.cuda.preferred_blas_library("cublas")
-        times = interleaved_ms([g.replay for g in graphs.values()], 3, iters)
-        for name, ms in zip(graphs, times):
-            row[f"{name}_us"] = ms / 20 * 1000
-        out.append(row)
-        log("[gate_up]", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
-        del graphs
-    return out
-
-
 # -- 6. small-rows matmuls --------------------------------------------------------------------
 MATMULS = {"wqkv": (2048, 1536, True), "wo": (1536, 1536, False), "w13": (17920, 1536, False),
            "w2": (1536, 8960, False)}
@@ -1209,9 +1167,6 @@ def main() -> int:
                    help="Triton tile configurations to time: BMxBNwWARPSsSTAGES, comma-separated (0: the kernel's own choice)")
     p.add_argument("--top2-configs", default="", help="time argmax_top2 chunk configs BLOCKwWARPS (comma-separated)")
     p.add_argument("--top2-rows", default="16,64,512")
-    p.add_argument("--gate-up-configs", default="",
-                   help="time fused.gate_up_silu configs BMxBNxBKwWARPSsSTAGES against cuBLAS + silu_mul")
-    p.add_argument("--gate-up-rows", default="128,512,1024")
     p.add_argument("--mixed-batches", default="1,7,8", help="trees per step in the mixed prefill section")
     p.add_argument("--capacity-sessions", default="1,8,32")
     p.add_argument("--capacity-trees", default="1,16,32")
@@ -1283,9 +1238,6 @@ def main() -> int:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.attention_shapes.split(",")]
         heads = tuple(int(h) for h in args.attention_heads.split("/"))
         result["attention"] = bench_attention(shapes, 64, args.warmup, args.iters, ceil, args.attention_configs, heads)
-    if cuda and args.gate_up_configs:
-        result["gate_up"] = bench_gate_up([int(r) for r in args.gate_up_rows.split(",")], args.gate_up_configs,
-                                          args.iters)
     if cuda and args.top2_configs:
         result["top2"] = bench_top2([int(r) for r in args.top2_rows.split(",")], args.top2_configs, args.iters)
     if cuda and not args.small and "matmuls" not in skip:

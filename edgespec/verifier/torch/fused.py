@@ -430,47 +430,6 @@ if triton is not None:
         tl.store(O + row * N + cols, acc.to(O.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _gate_up_silu_kernel(X, W, O, M, N, K, K_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
-        """O [M, N] = silu(X @ Wg^T) * (X @ Wu^T) for W the stacked gate/up weight [2N, K] (gate rows first):
-        a tiled GEMM whose programs each hold a gate and an up accumulator for the same output columns, so
-        SiLU*up is the epilogue (no [M, 2N] gate/up tensor, no silu_mul pass). Gate and up are rounded to
-        O's dtype first, as a matmul writes them and silu_mul reads them. The row blocks of one column block
-        are adjacent program ids: they run together and read that block's weights from HBM about once."""
-        pid = tl.program_id(0)
-        m_blocks = tl.cdiv(M, BLOCK_M)
-        pid_m = pid % m_blocks
-        pid_n = pid // m_blocks
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        kk = tl.arange(0, BLOCK_K)
-        m_ok = rm < M
-        n_ok = rn < N
-        x_ptr = X + rm[:, None] * K + kk[None, :]
-        g_ptr = W + rn[None, :] * K + kk[:, None]    # [BLOCK_K, BLOCK_N]: the weight rows, transposed
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for it in range(0, K_TILES):   # cdiv(K, BLOCK_K)
-            k0 = it * BLOCK_K
-            if EVEN_K:
-                k_ok = kk >= 0
-            else:
-                k_ok = k0 + kk < K
-            x = tl.load(x_ptr + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            wm = k_ok[:, None] & n_ok[None, :]
-            g = tl.load(g_ptr + k0, mask=wm, other=0.0)
-            u = tl.load(g_ptr + N * K + k0, mask=wm, other=0.0)
-            if IEEE:
-                acc_g = tl.dot(x, g, acc_g, input_precision="ieee")
-                acc_u = tl.dot(x, u, acc_u, input_precision="ieee")
-            else:
-                acc_g = tl.dot(x, g, acc_g)
-                acc_u = tl.dot(x, u, acc_u)
-        dt = O.dtype.element_ty
-        y = _silu_times(acc_g.to(dt), acc_u.to(dt))
-        tl.store(O + rm[:, None] * N + rn[None, :], y.to(dt), mask=m_ok[:, None] & n_ok[None, :])
-
-    @triton.jit
     def _top2_chunks_kernel(X, Val, Idx, Second, V, CHUNKS, BLOCK: tl.constexpr, GDC: tl.constexpr):
         """Stage 1 of argmax + top-2: each program reduces one BLOCK-wide chunk of one row to (its
         maximum, the first index of it, the runner-up). Many programs per row: one program reading
@@ -814,29 +773,6 @@ def linear_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                          f"{n_head}+2*{n_head_kv} heads of {cache.shape[-1]}")
     return _linear_rows_launch(x, weight, bias, False, False, None,
                                rope=_Rope(cos, sin, cache, slots, n_head, n_head_kv))
-
-
-GATE_UP_SILU_ROWS = 0   # from this many token rows on (past LINEAR_ROWS_MAX, where cuBLAS runs the matmuls), gate/up
-                        # runs as gate_up_silu (SiLU*up its epilogue) instead of cuBLAS + silu_mul; 0: never
-GATE_UP_SILU_CONFIG = (128, 64, 64, 4, 4)   # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
-
-
-def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor,
-                 config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """silu_mul(F.linear(x, gate_up)) for many rows in one launch: x [M, K], the stacked gate/up weight
-    [2F, K] -> [M, F] (linear_silu is the few-rows version; linear_silu_torch the reference)."""
-    rows, k = x.shape
-    two_f, k_w = gate_up.shape
-    if k_w != k or two_f % 2 or not x.is_contiguous() or not gate_up.is_contiguous() or two_f * k >= 2 ** 31:
-        raise ValueError(f"gate_up_silu: x {tuple(x.shape)} against gate/up {tuple(gate_up.shape)} (contiguous, "
-                         "even rows)")
-    f = two_f // 2
-    bm, bn, bk, warps, stages = config or GATE_UP_SILU_CONFIG
-    out = torch.empty(rows, f, dtype=x.dtype, device=x.device)
-    _gate_up_silu_kernel[(triton.cdiv(rows, bm) * triton.cdiv(f, bn),)](
-        x, gate_up, out, rows, f, k, K_TILES=triton.cdiv(k, bk), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
-        IEEE=gate_up.dtype == torch.float32, num_warps=warps, num_stages=stages)
-    return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

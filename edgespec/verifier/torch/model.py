@@ -279,8 +279,6 @@ class TransformerLM(nn.Module):
                 down = fused.linear_rows_partials(act, layer.w2.weight) if use["w2"] else layer.w2(act)
             elif use["w2"]:  # float32 partials [SPLIT, rows, d], SiLU*up applied as w2 loads gate/up
                 down = fused.linear_rows_partials(layer.w13(h), layer.w2.weight, silu=True)
-            elif fused.GATE_UP_SILU_ROWS and rows >= fused.GATE_UP_SILU_ROWS:   # many rows: SiLU*up in the GEMM
-                down = layer.w2(fused.gate_up_silu(h, layer.w13.weight))
             else:
                 down = layer.w2(fused.silu_mul(layer.w13(h)))
             if i + 1 < len(self.layers):

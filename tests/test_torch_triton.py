@@ -100,16 +100,18 @@ def test_fused_ops_equal_torch_references():
     assert torch.allclose(q, q_ref, atol=1e-6) and torch.allclose(cache, cache_ref, atol=1e-6)
     gu = torch.randn(6, 2 * 40, generator=g)
     assert torch.allclose(fused.silu_mul(gu), fused.silu_mul_torch(gu), atol=1e-6)
-    # argmax and top-2 margin over several 4096-wide chunks, with ties inside a chunk and across chunks
+    # argmax and top-2 margin over several chunks (2048 logits by default, and 4096), with ties inside a chunk and
+    # across chunks, and a chunk boundary between the two largest (4095 | 4096)
     logits = torch.randn(5, 9000, generator=g)
     logits[1, [7, 4100]] = 50.0          # the maximum twice, in two chunks: the first index, margin 0
     logits[2, [8001, 8002]] = 60.0       # twice in one chunk
     logits[3, 8999] = 70.0               # in the last, partial chunk
     logits[4, 4095], logits[4, 4096] = 40.0, 39.5
-    arg, margin = fused.argmax_top2(logits)
     arg_ref, margin_ref = fused.argmax_top2_torch(logits)
-    assert arg.tolist() == arg_ref.tolist() == [int(logits[0].argmax()), 7, 8001, 8999, 4095]
-    assert torch.allclose(margin, margin_ref) and margin[1] == 0 and margin[2] == 0 and margin[4] == 0.5
+    for block, warps in ((None, None), (4096, 8)):
+        arg, margin = fused.argmax_top2(logits, block, warps)
+        assert arg.tolist() == arg_ref.tolist() == [int(logits[0].argmax()), 7, 8001, 8999, 4095]
+        assert torch.allclose(margin, margin_ref) and margin[1] == 0 and margin[2] == 0 and margin[4] == 0.5
 
 
 @pytest.mark.parametrize("move_kernel", [0, 1])

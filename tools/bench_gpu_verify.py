@@ -20,8 +20,9 @@ Sections (each prints a table; everything goes to --out as JSON):
 4. step: `Engine.verify` (the call TorchBackend.verify_many makes) for B sessions x T tree nodes at
    a fixed context, random weights of the Qwen2.5-Coder-1.5B shape: host packing, one H2D copy,
    the forward + acceptance + compaction replayed as a CUDA graph, one small D2H copy, lengths
-   updated. `step_ms` is host wall time per call (what a request pays); `replay_ms` the graph alone
-   (CUDA events). The same cells with HF transformers (Qwen2ForCausalLM, sdpa, DynamicCache:
+   updated. `step_ms` is host wall time per call (what a request pays), each step's tree blocks
+   reserved beforehand as a previous step's trim leaves them in serving (`step_allocating_ms`: each step
+   allocating them, as every step_ms before 2026-12-04 was timed); `replay_ms` the graph alone (CUDA events). The same cells with HF transformers (Qwen2ForCausalLM, sdpa, DynamicCache:
    forward of T tokens + argmax to the host + crop back), measured in this run.
    With --small-rows-matmul off,on the step cells run with cuBLAS and with fused.linear_rows for
    the block matmuls (B*T <= 64), side by side.
@@ -695,9 +696,11 @@ def _steps(engine: Engine, args, config: ModelConfig, batches, trees, attention:
             def step() -> None:
                 engine.verify(steps)
 
-            def reset() -> None:   # the next step at the same context again (untimed: not part of a step)
+            def reset(keep_blocks: bool = True) -> None:   # the next step at the same context again (untimed)
                 for s in seqs:
                     s.truncate(args.context)
+                    if keep_blocks:   # as in serving, where a step's trim keeps the next tree's blocks as spares
+                        s.reserve(args.context + T)
 
             row = {"attention": attention, "batch": B, "tree": T, "context": args.context}
             t0 = time.perf_counter()
@@ -706,6 +709,8 @@ def _steps(engine: Engine, args, config: ModelConfig, batches, trees, attention:
             row["first_step_s"] = round(time.perf_counter() - t0, 2)   # includes the graph capture
             row["attention_launch"] = attention_launch(engine, B, T, args.context)
             row["step_ms"] = wall_ms(step, args.warmup, args.iters, reset)
+            # each step allocating its tree's blocks (truncate alone: how step_ms was timed before 2026-12-04)
+            row["step_allocating_ms"] = wall_ms(step, args.warmup, args.iters, lambda: reset(keep_blocks=False))
             if engine.cuda_graphs:
                 row["replay_ms"] = cuda_ms(replayed_graph(engine, B, T).replay, args.warmup, args.iters)
                 row["host"] = host_split(engine, step, reset, args.iters)

@@ -66,7 +66,10 @@ case $phase in
     # <= 16 rows in two calls and is the default (32 MB); at 1 x 64 every budget lost, 1024 rows a warming program lost.
     # The sixteenth session's: each query tile's last split program merging the splits (an arrival counter on the
     # device; no merge launch) was exact and repeatable but lost 9-28 % in every cell (its dependent per-split loads
-    # run serially in one program) and was removed. No candidate is pending: the phase times the defaults; add a
+    # run serially in one program) and was removed. The eighteenth session's (bench_gpu_verify sweeps, not this phase):
+    # the attention's tiles and splits at the step's shapes (the defaults best or within 0.5 us a layer), argmax_top2's
+    # chunks (2048 logits, 2 warps: adopted) and a gate/up GEMM with SiLU*up in its epilogue for many rows (slower
+    # than cuBLAS + silu_mul: removed). No candidate is pending: the phase times the defaults; add a
     # variant as 'triton,triton!KNOB=V' (with the pdl check for PDL or TRIGGER, l2_warm for L2_WARM).
     EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,capacity,mixed,hf,matmuls \
       --checks kernel,engine,l2_warm --trees 1,16,64 --attention 'triton' \

@@ -21,8 +21,9 @@ Sections (each prints a table; everything goes to --out as JSON):
    a fixed context, random weights of the Qwen2.5-Coder-1.5B shape: host packing, one H2D copy,
    the forward + acceptance + compaction replayed as a CUDA graph, one small D2H copy, lengths
    updated. `step_ms` is host wall time per call (what a request pays), each step's tree blocks
-   reserved beforehand as a previous step's trim leaves them in serving (`step_allocating_ms`: each step
-   allocating them, as every step_ms before 2026-12-04 was timed); `replay_ms` the graph alone (CUDA events). The same cells with HF transformers (Qwen2ForCausalLM, sdpa, DynamicCache:
+   reserved beforehand as a previous step's trim leaves them in serving (`step_allocating_ms`: each
+   step allocating them, as every step_ms before 2026-12-04 was timed); `replay_ms` the graph alone
+   (CUDA events). The same cells with HF transformers (Qwen2ForCausalLM, sdpa, DynamicCache:
    forward of T tokens + argmax to the host + crop back), measured in this run.
    With --small-rows-matmul off,on the step cells run with cuBLAS and with fused.linear_rows for
    the block matmuls (B*T <= 64), side by side.
@@ -33,6 +34,7 @@ Sections (each prints a table; everything goes to --out as JSON):
    graph over rotating weight copies (none stays in L2), against the byte floor; bf16 error of
    both against float32; 512 rows with cuBLAS only. --matmul-sweep times candidate block configs too
    and (--matmul-pick) puts the fastest into fused.LINEAR_ROWS_TABLE for the step section.
+   --top2-configs times fused.argmax_top2's chunk configs (BLOCKwWARPS) at --top2-rows rows.
 7. mixed: a prompt chunk of T tokens riding in a step of B trees of T nodes (what the service does
    with a Sync that arrives while trees are verified) against the step and a separate chunk.
 Medians over --iters after --warmup. Weights are random: timings only.
@@ -521,7 +523,6 @@ def bench_matmuls(args, ceil: dict | None) -> dict:
     cuBLAS column is F.linear alone; cublas_silu_us adds the silu_mul launch it needs), so w2 takes
     SiLU*up as input. Rows > 1 (and w13): the balanced default (COLS 0 in the record) and
     MATMUL_CANDIDATES; one row: the GEMV's table config and GEMV_CANDIDATES."""
-
     from edgespec.verifier.torch import fused
 
     bw = ceil["copy_bytes_per_s"] if ceil else 4.2e12

@@ -469,7 +469,7 @@ if triton is not None:
 TOP2_BLOCK = 2048   # logits per program of _top2_chunks_kernel. H200, 2026-12-04 (docs/BENCHMARKS.md eighteenth
 TOP2_WARPS = 2      # session; bf16 logits of the 152k vocabulary, graphs round-robin): 2048 with 2 warps was the
                     # fastest of 7 configs at 16, 64 and 512 rows (4.0 / 9.1 / 53.0 us against 4096 with 8 warps'
-                    # 4.7 / 10.7 / 70.0); 512-logit chunks were the slowest (16.0 us at 64 rows)
+                    # 4.7 / 10.7 / 70.0); 512-logit chunks were the slowest (15.3 us at 64 rows)
 
 
 def argmax_top2(logits: torch.Tensor, block: int | None = None, warps: int | None = None

@@ -418,7 +418,7 @@ def test_many_rows_gemm_with_rope_epilogue_equals_linear_then_rope_store(monkeyp
     n_head, n_head_kv, D, S = 4, 2, 16, 160
     N = (n_head + 2 * n_head_kv) * D
     for rows, K, cfg, bias in [(70, 40, (32, 8, 16, 4, 2), True),     # ragged rows and K; a head in two blocks
-                               (64, 48, (16, 32, 16, 4, 2), False),   # whole blocks; a block spans two heads
+                               (64, 48, (16, 4, 16, 4, 2), False),    # whole blocks; a head in four
                                (5, 48, (32, 16, 32, 4, 2), True)]:    # fewer rows than a block, one head a block
         x = torch.randn(rows, K, generator=g)
         w = torch.randn(N, K, generator=g) / K ** 0.5
@@ -433,8 +433,10 @@ def test_many_rows_gemm_with_rope_epilogue_equals_linear_then_rope_store(monkeyp
         assert q.shape == q_ref.shape
         assert torch.allclose(q, q_ref, atol=1e-5, rtol=1e-5)
         assert torch.allclose(cache, cache_ref, atol=1e-5, rtol=1e-5)   # untouched slots stay 0 in both
-    with pytest.raises(ValueError, match="column blocks of 24"):
-        fused._gemm_rope_launch(x, w, b, fused._Rope(cos, sin, cache, slots, n_head, n_head_kv), (32, 24, 16, 4, 2))
+    for bad_bn in (6, 32):   # not a divisor of the head size; more than one head
+        with pytest.raises(ValueError, match=f"column blocks of {bad_bn}"):
+            fused._gemm_rope_launch(x, w, b, fused._Rope(cos, sin, cache, slots, n_head, n_head_kv),
+                                    (32, bad_bn, 16, 4, 2))
 
     c = ModelConfig.tiny("qwen2")
     model = TransformerLM.random(c, dtype=torch.float32, seed=12)

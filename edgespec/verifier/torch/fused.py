@@ -432,7 +432,8 @@ if triton is not None:
     @triton.jit
     def _gemm_rope_kernel(XD, WD, Bias, QO, M, Cos, Sin, Slots, KC, VC, v_offset, K_TILES: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr,
+                          WS: tl.constexpr):
         """wqkv for many token rows (a tiled GEMM: token rows x output columns) with RoPE and the cache
         writes as its epilogue: no [M, N] q/k/v tensor, no rope_store launch. A program's BLOCK_N outputs
         are BLOCK_N / 2 of RoPE's pairs of one head: outputs d and d + D/2 come from two weight tiles (two
@@ -449,7 +450,7 @@ if triton is not None:
         m0 = pid_m * BLOCK_M
         acc1 = tl.zeros((BLOCK_M, BLOCK_N // 2), tl.float32)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N // 2), tl.float32)
-        for it in range(0, K_TILES):   # cdiv(K, BLOCK_K)
+        for it in tl.range(0, K_TILES, warp_specialize=WS):   # cdiv(K, BLOCK_K); WS: loads in a warp of their own
             k0 = it * BLOCK_K
             x = XD.load([m0, k0])
             w1 = WD.load([head * D + d0, k0])
@@ -795,6 +796,7 @@ GEMM_BLOCK_N = 64    # ... output columns (RoPE pairs of one head: an even divis
 GEMM_BLOCK_K = 64    # ... and K per step
 GEMM_WARPS = 4
 GEMM_STAGES = 3
+GEMM_WS = 0          # 1: Triton's warp specialization of its K loop (a producer warp issues the TMA loads)
 
 
 def gemm_rope_fits(rows: int, weight: torch.Tensor, head_dim: int) -> bool:
@@ -861,7 +863,7 @@ def _gemm_rope_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         x if bias is None else bias, q, rows, rope.cos, rope.sin, rope.slots, rope.cache, rope.cache,
         rope.cache.stride(0), K_TILES=triton.cdiv(k, bk), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         IEEE=weight.dtype == torch.float32, HAS_BIAS=bias is not None, H_Q=rope.n_head, H_KV=rope.n_head_kv, D=D,
-        num_warps=warps, num_stages=stages)
+        WS=bool(GEMM_WS), num_warps=warps, num_stages=stages)
     return q
 
 

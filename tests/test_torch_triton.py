@@ -405,63 +405,6 @@ def test_matmul_with_rope_epilogue_equals_linear_then_rope_store(dtype, rows):
         fused.LINEAR_ROWS_TABLE = old
 
 
-def test_many_rows_gemm_with_rope_epilogue_equals_linear_then_rope_store(monkeypatch):
-    """_gemm_rope_kernel (wqkv past LINEAR_ROWS_MAX rows, RoPE and the cache writes its epilogue) against
-    rope_store_torch(F.linear(...)), float32: ragged row and K blocks and whole ones, column blocks inside one
-    head and spanning two, with and without bias; then in the fused forward from GEMM_ROPE_ROWS rows on (a
-    70-token prefill chunk), with the same logits and cache as rope_store's own launch."""
-    from edgespec.verifier.torch import fused
-    from edgespec.verifier.torch.engine import Engine
-    from edgespec.verifier.torch.model import ModelConfig, TransformerLM
-
-    g = torch.Generator().manual_seed(11)
-    n_head, n_head_kv, D, S = 4, 2, 16, 160
-    N = (n_head + 2 * n_head_kv) * D
-    for rows, K, cfg, bias in [(70, 40, (32, 8, 16, 4, 2), True),     # ragged rows and K; a head in two blocks
-                               (64, 48, (16, 4, 16, 4, 2), False),    # whole blocks; a head in four
-                               (5, 48, (32, 16, 32, 4, 2), True)]:    # fewer rows than a block, one head a block
-        x = torch.randn(rows, K, generator=g)
-        w = torch.randn(N, K, generator=g) / K ** 0.5
-        b = torch.randn(N, generator=g) if bias else None
-        ang = torch.rand(rows, D // 2, generator=g) * 6.0
-        cos, sin = ang.cos(), ang.sin()
-        slots = torch.randperm(S, generator=g)[:rows]
-        cache_ref = torch.zeros(2, S, n_head_kv, D)
-        cache = torch.zeros_like(cache_ref)
-        q_ref = fused.linear_rope_store_torch(x, w, b, cos, sin, cache_ref, slots, n_head, n_head_kv)
-        q = fused._gemm_rope_launch(x, w, b, fused._Rope(cos, sin, cache, slots, n_head, n_head_kv), cfg)
-        assert q.shape == q_ref.shape
-        assert torch.allclose(q, q_ref, atol=1e-5, rtol=1e-5)
-        assert torch.allclose(cache, cache_ref, atol=1e-5, rtol=1e-5)   # untouched slots stay 0 in both
-    for bad_bn in (6, 32):   # not a divisor of the head size; more than one head
-        with pytest.raises(ValueError, match=f"column blocks of {bad_bn}"):
-            fused._gemm_rope_launch(x, w, b, fused._Rope(cos, sin, cache, slots, n_head, n_head_kv),
-                                    (32, bad_bn, 16, 4, 2))
-
-    c = ModelConfig.tiny("qwen2")
-    model = TransformerLM.random(c, dtype=torch.float32, seed=12)
-    prefix = np.random.default_rng(13).integers(0, 512, size=70).tolist()
-    tokens, parents = [5, 9, 11], [-1, 0, 0]
-    monkeypatch.setattr(fused, "GEMM_BLOCK_M", 32)
-    monkeypatch.setattr(fused, "GEMM_BLOCK_N", 8)
-    monkeypatch.setattr(fused, "GEMM_BLOCK_K", 32)
-    calls, out = [], []
-    real = fused._gemm_rope_launch
-    monkeypatch.setattr(fused, "_gemm_rope_launch", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    for knob in (0, 65):
-        monkeypatch.setattr(fused, "GEMM_ROPE_ROWS", knob)
-        assert fused.rope_in_matmul_fits(70, model.layers[0].wqkv.weight, c.head_dim) == bool(knob)
-        assert not fused.rope_in_matmul_fits(64, model.layers[0].wqkv.weight, c.head_dim)   # (no table entry)
-        engine = Engine(model, num_blocks=32, block_size=4, attention="torch", fused=True, small_rows_matmul=0)
-        seq = engine.new_sequence()
-        engine.prefill(seq, prefix)
-        out.append((engine.logits(seq, tokens, parents), engine.cache.flat.clone()))
-    model.fused_ops = False
-    assert len(calls) == c.n_layer   # the 70-token prefill chunk, every layer; the 3-node step is not past 64 rows
-    assert torch.allclose(out[0][0], out[1][0], atol=1e-4), float((out[0][0] - out[1][0]).abs().max())
-    assert torch.allclose(out[0][1], out[1][1], atol=1e-5)
-
-
 @pytest.mark.parametrize("knob", ["GEMV_ROPE", "ROWS_ROPE"])
 def test_fused_forward_with_rope_in_the_matmul_equals_without(monkeypatch, knob):
     """The fused forward with RoPE in the wqkv matmul's epilogue equals it with the separate RoPE launch

@@ -34,8 +34,7 @@ Sections (each prints a table; everything goes to --out as JSON):
    graph over rotating weight copies (none stays in L2), against the byte floor; bf16 error of
    both against float32; 512 rows with cuBLAS only. --matmul-sweep times candidate block configs too
    and (--matmul-pick) puts the fastest into fused.LINEAR_ROWS_TABLE for the step section.
-   --top2-configs times fused.argmax_top2's chunk configs (BLOCKwWARPS) at --top2-rows rows;
-   --gemm-rope-configs the many-rows wqkv GEMM with RoPE in its epilogue against cuBLAS + rope_store.
+   --top2-configs times fused.argmax_top2's chunk configs (BLOCKwWARPS) at --top2-rows rows.
 7. mixed: a prompt chunk of T tokens riding in a step of B trees of T nodes (what the service does
    with a Sync that arrives while trees are verified) against the step and a separate chunk.
 Medians over --iters after --warmup. Weights are random: timings only.
@@ -232,24 +231,22 @@ def check_engine(attention: str) -> dict:
 
 
 def check_rope_in_matmul(knob: str = "GEMV_ROPE", context: int = 300) -> dict:
-    """fused.GEMV_ROPE (RoPE and the cache writes in the one-row wqkv GEMV), fused.ROWS_ROPE (the same in
-    _linear_rows_kernel, here a 16-token chain) or fused.GEMM_ROPE_ROWS (in the many-rows GEMM, a 128-token
-    chain) against the separate launch: random bf16 weights of the Qwen2.5-1.5B shape, the step's forward
-    after a prefill, eager. Equal up to how the compiler contracts the rotation's multiply-adds in each kernel
-    (and, for the GEMM, the order of its K sums against cuBLAS's)."""
+    """fused.GEMV_ROPE (RoPE and the cache writes in the one-row wqkv GEMV) or fused.ROWS_ROPE (the same in
+    _linear_rows_kernel, here a 16-token chain) against the separate launch: random bf16 weights of the
+    Qwen2.5-1.5B shape, the step's forward after a prefill, eager. Equal up to how the compiler contracts
+    the rotation's multiply-adds in each kernel."""
     from edgespec.verifier.torch import fused
 
-    n_tokens = {"GEMV_ROPE": 1, "ROWS_ROPE": 16, "GEMM_ROPE_ROWS": 128}[knob]
     model = TransformerLM.random(ModelConfig.qwen2_1_5b(), dtype=torch.bfloat16, device="cuda", seed=4,
-                                 max_positions=context + n_tokens + 64)
+                                 max_positions=context + 64)
     prefix = np.random.default_rng(4).integers(0, 151936, size=context).tolist()
-    tokens = [17 + 3 * i for i in range(n_tokens)]
+    tokens = [17] if knob == "GEMV_ROPE" else [17 + 3 * i for i in range(16)]
     out = []
     try:
-        for on in ((0, 65) if knob == "GEMM_ROPE_ROWS" else (0, 1)):
+        for on in (0, 1):
             with kernel_knobs.override({knob: on}):
                 used = fused.rope_in_matmul_fits(len(tokens), model.layers[0].wqkv.weight, model.config.head_dim)
-                engine = Engine(model, num_blocks=-(-(context + n_tokens) // 16) + 8, block_size=16, cuda_graphs=False)
+                engine = Engine(model, num_blocks=-(-context // 16) + 8, block_size=16, cuda_graphs=False)
                 seq = engine.new_sequence()
                 engine.prefill(seq, prefix)
                 out.append((engine.logits(seq, tokens, list(range(-1, len(tokens) - 1))).float(),
@@ -485,53 +482,6 @@ def bench_top2(rows_list: list[int], configs: str, iters: int, ceil: dict | None
             row[f"{cfg}_us"] = ms / 20 * 1000
         out.append(row)
         log("[top2]", json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}))
-        del graphs
-    return out
-
-
-def bench_gemm_rope(rows_list: list[int], configs: str, iters: int, copies: int = 8) -> list[dict]:
-    """wqkv for many rows (Qwen2.5-1.5B shape, bias, 12/2 heads of 128): cuBLAS F.linear + rope_store (the
-    forward past LINEAR_ROWS_MAX) against fused._gemm_rope_kernel per config "BMxBNxBKwWARPSsSTAGES", 20
-    calls a graph over `copies` weight copies in turn (as a step's layers read theirs from HBM), timed
-    round-robin; q and the cache rows checked against the cuBLAS path (bf16: a few roundings apart)."""
-    from edgespec.verifier.torch import fused
-
-    out = []
-    d, hq, hkv, hd = 1536, 12, 2, 128
-    ws = [torch.randn((hq + 2 * hkv) * hd, d, device="cuda", dtype=torch.bfloat16) / d ** 0.5 for _ in range(copies)]
-    bs = [torch.randn((hq + 2 * hkv) * hd, device="cuda", dtype=torch.bfloat16) * 0.1 for _ in range(copies)]
-    for rows in rows_list:
-        x = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
-        ang = torch.rand(rows, hd // 2, device="cuda") * 6.0
-        cos, sin = ang.cos(), ang.sin()
-        slots = torch.randperm(2 * rows, device="cuda")[:rows]
-        cache = torch.zeros(2, 2 * rows, hkv, hd, device="cuda", dtype=torch.bfloat16)
-        q_ref = fused.rope_store(F.linear(x, ws[0], bs[0]), cos, sin, cache, slots, hq, hkv).float()
-        kv_ref = cache.float().clone()
-        row: dict = {"rows": rows}
-
-        def cublas(i: int) -> None:
-            fused.rope_store(F.linear(x, ws[i % copies], bs[i % copies]), cos, sin, cache, slots, hq, hkv)
-
-        graphs = {"cublas+rope_store": captured([lambda i=i: cublas(i) for i in range(20)])}
-        for cfg in configs.split(","):
-            tile, _, rest = cfg.partition("w")
-            c = (*(int(v) for v in tile.split("x")), *(int(v) for v in rest.split("s")))
-            try:
-                cache.zero_()
-                q = fused._gemm_rope_launch(x, ws[0], bs[0], fused._Rope(cos, sin, cache, slots, hq, hkv), c).float()
-                row[f"{cfg}_q_max_rel_diff"] = float((q - q_ref).abs().max() / q_ref.abs().max())
-                row[f"{cfg}_kv_max_rel_diff"] = float((cache.float() - kv_ref).abs().max() / kv_ref.abs().max())
-                graphs[cfg] = captured([lambda i=i, c=c: fused._gemm_rope_launch(
-                    x, ws[i % copies], bs[i % copies], fused._Rope(cos, sin, cache, slots, hq, hkv), c)
-                    for i in range(20)])
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit: report, go on
-                row[cfg] = f"error: {type(exc).__name__}: {str(exc)[:120]}"
-        times = interleaved_ms([g.replay for g in graphs.values()], 3, iters)
-        for name, ms in zip(graphs, times):
-            row[f"{name}_us"] = ms / 20 * 1000
-        out.append(row)
-        log("[gemm_rope]", json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
         del graphs
     return out
 
@@ -1226,9 +1176,6 @@ def main() -> int:
                    help="Triton tile configurations to time: BMxBNwWARPSsSTAGES, comma-separated (0: the kernel's own choice)")
     p.add_argument("--top2-configs", default="", help="time argmax_top2 chunk configs BLOCKwWARPS (comma-separated)")
     p.add_argument("--top2-rows", default="16,64,512")
-    p.add_argument("--gemm-rope-configs", default="",
-                   help="time wqkv + RoPE as fused._gemm_rope_kernel configs BMxBNxBKwWARPSsSTAGES against cuBLAS")
-    p.add_argument("--gemm-rope-rows", default="128,512,1024")
     p.add_argument("--mixed-batches", default="1,7,8", help="trees per step in the mixed prefill section")
     p.add_argument("--capacity-sessions", default="1,8,32")
     p.add_argument("--capacity-trees", default="1,16,32")
@@ -1287,8 +1234,6 @@ def main() -> int:
                               ("gemv_rope", check_rope_in_matmul, "RoPE in the one-row wqkv GEMV vs its own launch"),
                               ("rows_rope", lambda: check_rope_in_matmul("ROWS_ROPE"),
                                "RoPE in the 16-row wqkv matmul vs its own launch"),
-                              ("gemm_rope", lambda: check_rope_in_matmul("GEMM_ROPE_ROWS"),
-                               "RoPE in the 128-row wqkv GEMM vs cuBLAS + its own launch"),
                               ("move_rows", check_move_rows, "the compaction copy kernel vs index_copy_"),
                               ("pdl", check_pdl, "programmatic dependent launch vs plain launches"),
                               ("l2_warm", check_l2_warm, "the next weights warmed into L2 beside attention vs not")):
@@ -1304,9 +1249,6 @@ def main() -> int:
         result["attention"] = bench_attention(shapes, 64, args.warmup, args.iters, ceil, args.attention_configs, heads)
     if cuda and args.top2_configs:
         result["top2"] = bench_top2([int(r) for r in args.top2_rows.split(",")], args.top2_configs, args.iters, ceil)
-    if cuda and args.gemm_rope_configs:
-        result["gemm_rope"] = bench_gemm_rope([int(r) for r in args.gemm_rope_rows.split(",")], args.gemm_rope_configs,
-                                              args.iters)
     if cuda and not args.small and "matmuls" not in skip:
         result["matmuls"] = bench_matmuls(args, ceil)
     config = ModelConfig.tiny("qwen2") if args.small else ModelConfig.qwen2_1_5b()

@@ -430,52 +430,6 @@ if triton is not None:
         tl.store(O + row * N + cols, acc.to(O.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _gemm_rope_kernel(XD, WD, Bias, QO, M, Cos, Sin, Slots, KC, VC, v_offset, K_TILES: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr,
-                          WS: tl.constexpr):
-        """wqkv for many token rows (a tiled GEMM: token rows x output columns) with RoPE and the cache
-        writes as its epilogue: no [M, N] q/k/v tensor, no rope_store launch. A program's BLOCK_N outputs
-        are BLOCK_N / 2 of RoPE's pairs of one head: outputs d and d + D/2 come from two weight tiles (two
-        accumulators), so each program rotates what it computed. Tiles arrive by TMA (tensor descriptors
-        XD [M, K] and WD [N, K]; past the edges they read zeros): a pointer-load version of this kernel took
-        3x cuBLAS + rope_store's time at 512 rows on the H200 (docs/BENCHMARKS.md nineteenth session). The row
-        blocks of one column block are adjacent program ids: its weights come from HBM about once."""
-        pid = tl.program_id(0)
-        m_blocks = tl.cdiv(M, BLOCK_M)
-        pid_m = pid % m_blocks
-        pid_n = pid // m_blocks
-        head = (pid_n * BLOCK_N) // D
-        d0 = (pid_n * BLOCK_N) % D // 2
-        m0 = pid_m * BLOCK_M
-        acc1 = tl.zeros((BLOCK_M, BLOCK_N // 2), tl.float32)
-        acc2 = tl.zeros((BLOCK_M, BLOCK_N // 2), tl.float32)
-        for it in tl.range(0, K_TILES, warp_specialize=WS):   # cdiv(K, BLOCK_K); WS: loads in a warp of their own
-            k0 = it * BLOCK_K
-            x = XD.load([m0, k0])
-            w1 = WD.load([head * D + d0, k0])
-            w2 = WD.load([head * D + D // 2 + d0, k0])
-            if IEEE:
-                acc1 = tl.dot(x, w1.T, acc1, input_precision="ieee")
-                acc2 = tl.dot(x, w2.T, acc2, input_precision="ieee")
-            else:
-                acc1 = tl.dot(x, w1.T, acc1)
-                acc2 = tl.dot(x, w2.T, acc2)
-        d = d0 + tl.arange(0, BLOCK_N // 2)
-        if HAS_BIAS:
-            acc1 += tl.load(Bias + head * D + d).to(tl.float32)[None, :]
-            acc2 += tl.load(Bias + head * D + D // 2 + d).to(tl.float32)[None, :]
-        # the q/k/v outputs rounded as a matmul writes them, then what rope_store's kernel does with them
-        rm = m0 + tl.arange(0, BLOCK_M)
-        m_ok = (rm < M)[:, None]
-        cs = tl.load(Cos + rm[:, None] * (D // 2) + d[None, :], mask=m_ok, other=0.0)
-        sn = tl.load(Sin + rm[:, None] * (D // 2) + d[None, :], mask=m_ok, other=0.0)
-        slot = tl.load(Slots + rm, mask=rm < M, other=0)[:, None]
-        dt = QO.dtype.element_ty
-        _rotate_and_store(acc1.to(dt).to(tl.float32), acc2.to(dt).to(tl.float32), cs, sn, head, d[None, :],
-                          rm[:, None], slot, KC, VC, QO, v_offset, m_ok, H_Q, H_KV, D)
-
-    @triton.jit
     def _top2_chunks_kernel(X, Val, Idx, Second, V, CHUNKS, BLOCK: tl.constexpr, GDC: tl.constexpr):
         """Stage 1 of argmax + top-2: each program reduces one BLOCK-wide chunk of one row to (its
         maximum, the first index of it, the runner-up). Many programs per row: one program reading
@@ -789,30 +743,10 @@ ROWS_ROPE = 1   # from two rows on (steps where linear_rows serves wqkv) its epi
                 # the other cells do not use it (within 0.2 %)
 
 
-GEMM_ROPE_ROWS = 0   # from this many token rows on (past LINEAR_ROWS_MAX, where cuBLAS runs wqkv and rope_store its own
-                     # launch), wqkv runs as _gemm_rope_kernel, RoPE and the cache writes its epilogue; 0: never
-GEMM_BLOCK_M = 128   # its tile: token rows, ...
-GEMM_BLOCK_N = 64    # ... output columns (RoPE pairs of one head: an even divisor of the head size) ...
-GEMM_BLOCK_K = 64    # ... and K per step
-GEMM_WARPS = 4
-GEMM_STAGES = 3
-GEMM_WS = 0          # 1: Triton's warp specialization of its K loop (a producer warp issues the TMA loads)
-
-
-def gemm_rope_fits(rows: int, weight: torch.Tensor, head_dim: int) -> bool:
-    """Whether the many-rows GEMM (GEMM_ROPE_ROWS) serves this wqkv matmul: its knob on for `rows`, and
-    column blocks of RoPE pairs inside one head."""
-    bn = GEMM_BLOCK_N
-    return bool(GEMM_ROPE_ROWS) and rows > LINEAR_ROWS_MAX and rows >= GEMM_ROPE_ROWS and bn % 2 == 0 \
-        and head_dim % bn == 0 and weight.shape[0] % head_dim == 0
-
-
 def rope_in_matmul_fits(rows: int, weight: torch.Tensor, head_dim: int) -> bool:
-    """Whether linear_rope_store can serve this wqkv matmul: past LINEAR_ROWS_MAX rows, gemm_rope_fits; else
-    its knob on (GEMV_ROPE for one row, ROWS_ROPE for more), a table config, K unsplit, and column shares that
-    keep RoPE's pairs together (one row: even BLOCK_N dividing head_dim; more: an even COLS)."""
-    if rows > LINEAR_ROWS_MAX:
-        return gemm_rope_fits(rows, weight, head_dim)
+    """Whether linear_rope_store can serve this wqkv matmul: its knob on (GEMV_ROPE for one row, ROWS_ROPE for
+    more), a table config, K unsplit, and column shares that keep RoPE's pairs together (one row: even
+    BLOCK_N dividing head_dim; more: an even COLS)."""
     if not (GEMV_ROPE if rows == 1 else ROWS_ROPE) or not linear_rows_wins(rows, *weight.shape) \
             or weight.shape[0] % head_dim:
         return False
@@ -830,41 +764,15 @@ def linear_rope_store_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 def linear_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
                       sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, n_head: int,
                       n_head_kv: int) -> torch.Tensor:
-    """rope_store(F.linear(x, weight, bias), ...) in one launch (rope_in_matmul_fits): the matmul's
+    """rope_store(linear_rows(x, weight, bias), ...) in one launch (rope_in_matmul_fits): the matmul's
     epilogue rotates q and k and writes q [rows, n_head, D] (returned) and k, v to the rows' cache slots;
-    one row runs the GEMV, up to LINEAR_ROWS_MAX _linear_rows_kernel, more _gemm_rope_kernel."""
+    one row runs the GEMV, more _linear_rows_kernel."""
     n, k = weight.shape
     if x.shape[1:] != (k,) or n != (n_head + 2 * n_head_kv) * cache.shape[-1]:
         raise ValueError(f"linear_rope_store: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"{n_head}+2*{n_head_kv} heads of {cache.shape[-1]}")
-    if x.shape[0] > LINEAR_ROWS_MAX:
-        return _gemm_rope_launch(x, weight, bias, _Rope(cos, sin, cache, slots, n_head, n_head_kv))
     return _linear_rows_launch(x, weight, bias, False, False, None,
                                rope=_Rope(cos, sin, cache, slots, n_head, n_head_kv))
-
-
-def _gemm_rope_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rope: _Rope,
-                      config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """_gemm_rope_kernel over every row of x with config (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), default
-    the GEMM_* knobs; returns q [rows, n_head, D]."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    rows, k = x.shape
-    n = weight.shape[0]
-    D = rope.cache.shape[-1]
-    bm, bn, bk, warps, stages = config or (GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_BLOCK_K, GEMM_WARPS, GEMM_STAGES)
-    if not x.is_contiguous() or not weight.is_contiguous() or n * k >= 2 ** 31 or bn % 2 or D % bn \
-            or (k * x.element_size()) % 16:
-        raise ValueError(f"gemm_rope: x {tuple(x.shape)} against weight {tuple(weight.shape)} (contiguous, rows of "
-                         f"whole 16 bytes) in column blocks of {bn} (RoPE pairs of one head of {D})")
-    q = torch.empty(rows, rope.n_head, D, dtype=x.dtype, device=x.device)
-    _gemm_rope_kernel[(triton.cdiv(rows, bm) * (n // bn),)](
-        TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn // 2, bk]),
-        x if bias is None else bias, q, rows, rope.cos, rope.sin, rope.slots, rope.cache, rope.cache,
-        rope.cache.stride(0), K_TILES=triton.cdiv(k, bk), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        IEEE=weight.dtype == torch.float32, HAS_BIAS=bias is not None, H_Q=rope.n_head, H_KV=rope.n_head_kv, D=D,
-        WS=bool(GEMM_WS), num_warps=warps, num_stages=stages)
-    return q
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -256,8 +256,7 @@ class TransformerLM(nn.Module):
         x = self.embed(tokens).view(rows, c.d_model)
         cos, sin = cos.reshape(rows, -1), sin.reshape(rows, -1)
         h, x = fused.add_rmsnorm(x, None, self.layers[0].attn_norm.weight, c.norm_eps)
-        rope_in_matmul = (use["wqkv"] or rows > fused.LINEAR_ROWS_MAX) \
-            and fused.rope_in_matmul_fits(rows, blk.wqkv.weight, c.head_dim)
+        rope_in_matmul = use["wqkv"] and fused.rope_in_matmul_fits(rows, blk.wqkv.weight, c.head_dim)
         warm_lines = fused.l2_warm_lines(rows, blk.wo.weight, blk.w13.weight) if x.is_cuda else None
         warm = self._side_stream() if warm_lines is not None else None
         for i, layer in enumerate(self.layers):

@@ -381,8 +381,9 @@ def bench_attention(shapes, tree: int, warmup: int, iters: int, ceil: dict,
                     configs: str = "0x0w4s0,64x64w4s3,64x32w4s2,128x32w4s2", heads: tuple[int, int] = (64, 8)
                     ) -> list[dict]:
     """The tree attention kernel against maskless SDPA at each shape (B, L) or (B, L, T): T tree nodes
-    (`tree` where the shape names none) over L context keys, `heads` (query, KV). A config is "BMxBNwWARPSsSTAGES[/SPLITS][!KNOB=V]"
-    (0x0: the kernel's own choice; /SPLITS pins the key splits, else the split policy picks them)."""
+    (`tree` where the shape names none) over L context keys, `heads` (query, KV). A config is
+    "BMxBNwWARPSsSTAGES[/SPLITS][!KNOB=V]" (0x0: the kernel's own choice; /SPLITS pins the key splits,
+    else the split policy picks them)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from edgespec.verifier.torch.triton_attention import TritonPagedAttention
@@ -402,10 +403,11 @@ def bench_attention(shapes, tree: int, warmup: int, iters: int, ceil: dict,
         kv_bytes = 2 * B * N * Hkv * D * 2
         flops = 4 * B * Hq * T * N * D
         floor = max(kv_bytes / ceil["copy_bytes_per_s"], flops / ceil["bf16_flop_per_s"]) * 1000
-        row = {"batch": B, "context": L, "tree": T, "heads": f"{Hq}/{Hkv}", "floor_ms": floor, "hbm_floor_ms": kv_bytes / ceil["copy_bytes_per_s"] * 1000,
+        row = {"batch": B, "context": L, "tree": T, "heads": f"{Hq}/{Hkv}", "floor_ms": floor,
+               "hbm_floor_ms": kv_bytes / ceil["copy_bytes_per_s"] * 1000,
                "compute_floor_ms": flops / ceil["bf16_flop_per_s"] * 1000}
         graphs = {}   # config -> 20 calls in one graph; all captured first, then timed interleaved
-        for i, cfg in enumerate(configs.split(",")):   # "BMxBNwWARPSsSTAGES[!KNOB=V:KNOB=V]"; 0x0: its own choice
+        for i, cfg in enumerate(configs.split(",")):   # "BMxBNwWARPSsSTAGES[/SPLITS][!KNOB=V:KNOB=V]" (docstring)
             spec, _, extra = cfg.partition("!")
             spec, _, splits = spec.partition("/")
             tile, _, rest = spec.partition("w")

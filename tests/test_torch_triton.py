@@ -438,3 +438,64 @@ def test_fused_forward_with_rope_in_the_matmul_equals_without(monkeypatch, knob)
     assert len(calls) == c.n_layer * (1 if knob == "GEMV_ROPE" else 2)
     assert torch.allclose(out[0][0], out[1][0], atol=1e-4), float((out[0][0] - out[1][0]).abs().max())
     assert torch.allclose(out[0][1], out[1][1], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_split_k_partials_sum_to_the_matmul(dtype):
+    """fused.linear_split_k: float32 partials [parts, rows, N] over equal K slices (strided views, one batched
+    GEMM) that sum to x @ W^T; parts <= 1 is F.linear itself; K that does not divide is refused."""
+    import torch.nn.functional as F
+
+    from edgespec.verifier.torch import fused
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 96, generator=g).to(dtype)
+    w = (torch.randn(40, 96, generator=g) / 96 ** 0.5).to(dtype)
+    exact = F.linear(x.float(), w.float())
+    for parts in (2, 3, 4):
+        p = fused.linear_split_k(x, w, parts)
+        assert p.shape == (parts, 7, 40) and p.dtype == torch.float32
+        assert torch.allclose(p.sum(0), exact, atol=1e-5, rtol=1e-5)
+        piece = 96 // parts   # each slice is its own product, not a share of the whole
+        assert torch.allclose(p[1], F.linear(x[:, piece:2 * piece].float(), w[:, piece:2 * piece].float()), atol=1e-5)
+    assert torch.equal(fused.linear_split_k(x, w, 1), F.linear(x, w))
+    with pytest.raises(ValueError, match="equal K slices"):
+        fused.linear_split_k(x, w, 5)
+
+
+def test_w2_split_k_takes_a_divisor_of_k_by_rows(monkeypatch):
+    """W2_SPLIT_K_ROWS // rows slices, rounded down to a divisor of K (at most 16); off, or past half the budget: 1."""
+    from edgespec.verifier.torch import fused
+
+    assert fused.W2_SPLIT_K_ROWS == 0 and fused.w2_split_k(128, 8960) == 1
+    monkeypatch.setattr(fused, "W2_SPLIT_K_ROWS", 1024)
+    assert [fused.w2_split_k(r, 8960) for r in (64, 128, 256, 512, 600, 2048)] == [16, 8, 4, 2, 1, 1]
+    assert fused.w2_split_k(128, 8959) == 1 and fused.w2_split_k(300, 8960) == 2   # 8959 is prime; 3 does not divide
+
+
+def test_fused_forward_with_cublas_split_k_equals_without(monkeypatch):
+    """The fused forward with w2 on cuBLAS in K slices (W2_SPLIT_K_ROWS; the partials summed by add_rmsnorm)
+    equals it with F.linear: tiny float32 model, a 17-token prefill chunk (2 slices) and a 5-node tree step
+    (8 slices), the Triton attention interpreted."""
+    from edgespec.verifier.torch import fused
+    from edgespec.verifier.torch.engine import Engine
+    from edgespec.verifier.torch.model import ModelConfig, TransformerLM
+
+    c = ModelConfig.tiny("qwen2")
+    model = TransformerLM.random(c, dtype=torch.float32, seed=12)
+    rng = np.random.default_rng(13)
+    prefix = rng.integers(0, 512, size=17).tolist()
+    tokens, parents = [5, 9, 11, 3, 7], [-1, 0, 0, 1, 1]
+    parts = []
+    real = fused.linear_split_k
+    monkeypatch.setattr(fused, "linear_split_k", lambda x, w, n: parts.append(n) or real(x, w, n))
+    out = []
+    for budget in (0, 64):
+        with knobs.override({"W2_SPLIT_K_ROWS": budget}):
+            engine = Engine(model, num_blocks=16, block_size=4, attention="triton", fused=True)
+            seq = engine.new_sequence()
+            engine.prefill(seq, prefix)
+            out.append(engine.logits(seq, tokens, parents))
+    model.fused_ops = False
+    assert parts == [1] * 2 * c.n_layer + [2] * c.n_layer + [8] * c.n_layer   # per layer: prefill, then tree step
+    assert torch.allclose(out[0], out[1], atol=1e-4), float((out[0] - out[1]).abs().max())

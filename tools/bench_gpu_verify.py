@@ -532,6 +532,7 @@ def bench_matmuls(args, ceil: dict | None) -> dict:
 
     bw = ceil["copy_bytes_per_s"] if ceil else 4.2e12
     rows_list = [int(r) for r in args.matmul_rows.split(",")]
+    split_ks = [int(p) for p in args.matmul_split_k.split(",") if p]
     out = {"rows": [], "sweep": [], "bytes_per_s_for_floor": bw}
     dev = args.device
     g = torch.Generator(device=dev).manual_seed(11)
@@ -550,6 +551,14 @@ def bench_matmuls(args, ceil: dict | None) -> dict:
             row["cublas_us"] = graph_us([lambda w=w: F.linear(x, w, b) for w in ws], args.iters)
             # the same product the other way round (W @ x^T: cuBLAS sees M = N, N = rows and may pick other kernels)
             row["cublas_wx_us"] = graph_us([lambda w=w: torch.mm(w, x.t()) for w in ws], args.iters)
+            if name in ("wo", "w2"):   # cuBLAS with K in slices, float32 partials for add_rmsnorm (fused.linear_split_k)
+                for parts in split_ks:
+                    if k % parts == 0:
+                        row[f"cublas_split{parts}_us"] = graph_us(
+                            [lambda w=w, p=parts: fused.linear_split_k(x, w, p) for w in ws], args.iters)
+                        got = fused.linear_split_k(x, ws[0], parts).sum(0)
+                        exact = F.linear(x.float(), ws[0].float())
+                        row[f"cublas_split{parts}_max_abs_err"] = float((got - exact).abs().max())
             if pair:
                 row["cublas_silu_us"] = graph_us([lambda w=w: fused.silu_mul(F.linear(x, w)) for w in ws], args.iters)
                 ref = fused.silu_mul_torch(F.linear(x.float(), ws[0].float()))
@@ -1168,6 +1177,8 @@ def main() -> int:
                    help="step cells with these Engine small_rows_matmul values, comma-separated: off (0), on (64) "
                         "or a row bound; empty: the engine's default. --profile-cells profiles the last one")
     p.add_argument("--matmul-rows", default="1,16,64,512")
+    p.add_argument("--matmul-split-k", default="2,3,4",
+                   help="K slices for wo and w2 on cuBLAS as one batched GEMM (fused.linear_split_k), where K divides")
     p.add_argument("--matmul-sweep", action="store_true", help="time MATMUL_CANDIDATES block configs too")
     p.add_argument("--matmul-pick", action="store_true",
                    help="with --matmul-sweep: the fastest configs replace fused.LINEAR_ROWS_TABLE's for the step")

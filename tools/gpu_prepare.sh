@@ -38,7 +38,7 @@ grep -q 'for B, Ts in \[(1, \[1, 16, 64\]), (8, \[64\])\]' .gptfast/step4.py || 
 ls edgespec/v1/*_pb2.py >/dev/null || { echo "edgespec/v1 has no generated stubs: run make setup" >&2; exit 2; }
 # Pieces of 56 MB (53.4 MiB): with the tracked tree (~7 MiB) a call stays under 64 MiB; ../shared/gpu/stage.sh's
 # 62 MB pieces no longer do (seventeenth session). One call per piece, back to back, appended under /tmp/stage.
-rm -f .stage/*.part*
+mkdir -p .stage && rm -f .stage/*.part*
 for name in qwen2.5-coder-1.5b-instruct-q4_k_m.gguf qwen2.5-coder-0.5b-instruct.gguf; do
   split -b 56000000 -d -a 2 "$HOME_DIR/models/$name" ".stage/$name.part"
   echo "$name: $(ls .stage/"$name".part* | wc -l) pieces, sha256 $(sha256sum "$HOME_DIR/models/$name" | cut -c1-8)…"

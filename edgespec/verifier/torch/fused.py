@@ -716,6 +716,42 @@ def linear_silu(x: torch.Tensor, gate_up: torch.Tensor,
     return _linear_rows_launch(x, gate_up, None, False, False, config, pair=True)
 
 
+# -- cuBLAS with K split, for the down matmul past the small-rows table -----------------------------
+W2_SPLIT_K_ROWS = 0   # > 0: where w2 runs on cuBLAS (more token rows than LINEAR_ROWS_TABLE covers), its K is cut into
+                      # about this many rows' worth of slices (w2_split_k: W2_SPLIT_K_ROWS // rows, a divisor of K) run
+                      # as one batched GEMM, float32 partials that add_rmsnorm sums. Why: at 128-512 rows cuBLAS makes
+                      # too few output tiles of w2's [rows x 1536] for the H200's 132 SMs (96 x 64 tiles: 144 at 512
+                      # rows, a second wave of 12); each slice adds as many. 0: F.linear as before
+
+
+def w2_split_k(rows: int, k: int) -> int:
+    """K slices for the down matmul (x [rows, k]) on cuBLAS: the largest divisor of k up to W2_SPLIT_K_ROWS // rows
+    (at most 16); 1 (no split) with the knob off or from W2_SPLIT_K_ROWS / 2 rows on."""
+    most = min(16, W2_SPLIT_K_ROWS // max(1, rows))
+    return max((d for d in range(1, most + 1) if k % d == 0), default=1)
+
+
+def linear_split_k(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """x @ weight.T for a matmul that add_rmsnorm adds to the residual (wo, w2; no bias), on cuBLAS: F.linear
+    for parts <= 1; else float32 partials [parts, rows, N] (what linear_rows_partials returns), K cut into
+    `parts` equal slices and run as one batched GEMM over strided views of x and weight (no copies)."""
+    if parts <= 1:
+        return F.linear(x, weight)
+    rows, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or k % parts or not (x.is_contiguous() and weight.is_contiguous()):
+        raise ValueError(f"linear_split_k: x {tuple(x.shape)} against weight {tuple(weight.shape)} (contiguous) "
+                         f"in {parts} equal K slices")
+    piece = k // parts
+    xs = x.view(rows, parts, piece).transpose(0, 1)         # [parts, rows, piece]
+    ws = weight.view(n, parts, piece).permute(1, 2, 0)     # [parts, piece, n]: each slice's W^T, no copy
+    if x.dtype == torch.float32:
+        return torch.bmm(xs, ws)
+    if x.is_cuda:   # bf16/fp16 operands, float32 accumulation and output
+        return torch.bmm(xs, ws, out_dtype=torch.float32)
+    return torch.bmm(xs.float(), ws.float())
+
+
 ROPE_ROWS_ALL_HEADS = 16   # from this many token rows on, one rope_store program takes all of a row's heads
 
 

@@ -241,8 +241,9 @@ class TransformerLM(nn.Module):
         add is folded into the next RMSNorm, the last one into the final norm). With small_rows_matmul >= B*T,
         the matmuls for which fused.LINEAR_ROWS_TABLE has a config (measured faster than cuBLAS there)
         are fused.linear_rows: the split-K partials of wo and w2 are summed by the add_rmsnorm that reads
-        them; gate/up runs as fused.linear_silu (SiLU*up its epilogue), or else w2's version applies
-        SiLU*up as it loads gate/up (no silu_mul launch either way)."""
+        them (past the table, w2's cuBLAS K slices with fused.W2_SPLIT_K_ROWS); gate/up runs as
+        fused.linear_silu (SiLU*up its epilogue), or else w2's version applies SiLU*up as it loads gate/up
+        (no silu_mul launch either way)."""
         from edgespec.verifier.torch import fused
 
         c = self.config
@@ -280,7 +281,8 @@ class TransformerLM(nn.Module):
             elif use["w2"]:  # float32 partials [SPLIT, rows, d], SiLU*up applied as w2 loads gate/up
                 down = fused.linear_rows_partials(layer.w13(h), layer.w2.weight, silu=True)
             else:
-                down = layer.w2(fused.silu_mul(layer.w13(h)))
+                w2 = layer.w2.weight   # with fused.W2_SPLIT_K_ROWS: float32 partials of K slices
+                down = fused.linear_split_k(fused.silu_mul(layer.w13(h)), w2, fused.w2_split_k(rows, w2.shape[1]))
             if i + 1 < len(self.layers):
                 h, x = fused.add_rmsnorm(x, down, self.layers[i + 1].attn_norm.weight, c.norm_eps)
             elif logits:   # the final norm (float32 inside, rounded once for the LM head's operands)

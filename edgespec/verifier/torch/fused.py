@@ -717,11 +717,13 @@ def linear_silu(x: torch.Tensor, gate_up: torch.Tensor,
 
 
 # -- cuBLAS with K split, for the down matmul past the small-rows table -----------------------------
-W2_SPLIT_K_ROWS = 0   # > 0: where w2 runs on cuBLAS (more token rows than LINEAR_ROWS_TABLE covers), its K is cut into
-                      # about this many rows' worth of slices (w2_split_k: W2_SPLIT_K_ROWS // rows, a divisor of K) run
-                      # as one batched GEMM, float32 partials that add_rmsnorm sums. Why: at 128-512 rows cuBLAS makes
-                      # too few output tiles of w2's [rows x 1536] for the H200's 132 SMs (96 x 64 tiles: 144 at 512
-                      # rows, a second wave of 12); each slice adds as many. 0: F.linear as before
+W2_SPLIT_K_ROWS = 512  # where w2 runs on cuBLAS (more token rows than LINEAR_ROWS_TABLE covers), its K is cut into
+                       # W2_SPLIT_K_ROWS // rows slices (w2_split_k: a divisor of K) run as one batched GEMM, float32
+                       # partials that add_rmsnorm sums; 0: F.linear. Why: at 128-512 rows cuBLAS makes too few output
+                       # tiles of w2's [rows x 1536] for the H200's 132 SMs. H200, 2026-12-04 (docs/BENCHMARKS.md
+                       # twentieth session): w2 alone 12.5 -> 10.7 us at 128 rows (4 slices), 18.0 -> 15.0 at 256 (2);
+                       # steps round-robin: 8 x 16 -3.2 %, 8 x 32 -3.9 %, 8 x 64 (no split) +0.2 %. A budget of 1024
+                       # (8 / 4 / 2 slices) gave 8 x 16 +0.2 %, 8 x 32 -5.0 %, 8 x 64 -0.2 %; 2048 lost everywhere
 
 
 def w2_split_k(rows: int, k: int) -> int:

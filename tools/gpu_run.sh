@@ -74,7 +74,8 @@ case $phase in
     # +3 to +4 %; warp specialization hung the process): removed. The twentieth session's: w2 on cuBLAS in K slices
     # (W2_SPLIT_K_ROWS=512: 8 x 16 -3.2 %, 8 x 32 -3.9 %) adopted; wo in slices, and budgets 1024 / 2048, lost or
     # tied; the small-rows matmuls with TMA tiles (tools/bench_tma_rows.py) no faster. No candidate is pending: the
-    # phase times the defaults; add a variant as 'triton,triton!KNOB=V' (with the pdl check for PDL or TRIGGER, l2_warm for L2_WARM).
+    # phase times the defaults; add a variant as 'triton,triton!KNOB=V' (with the pdl check for PDL or TRIGGER,
+    # l2_warm for L2_WARM).
     EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,capacity,mixed,hf,matmuls \
       --checks kernel,engine,l2_warm --trees 1,16,64 --attention 'triton' \
       "${ITERS[@]}" --out "$OUT/variants.json" \

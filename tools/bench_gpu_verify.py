@@ -32,7 +32,8 @@ Sections (each prints a table; everything goes to --out as JSON):
 6. matmuls: the four block matrices of the 1.5B shape (wqkv, wo, w13, w2) at 1/16/64 rows,
    cuBLAS (F.linear) against fused.linear_rows in the form the forward uses it, each call in a CUDA
    graph over rotating weight copies (none stays in L2), against the byte floor; bf16 error of
-   both against float32; 512 rows with cuBLAS only. --matmul-sweep times candidate block configs too
+   both against float32; 512 rows with cuBLAS only; wo and w2 also on cuBLAS in K slices (fused.linear_split_k,
+   --matmul-split-k). --matmul-sweep times candidate block configs too
    and (--matmul-pick) puts the fastest into fused.LINEAR_ROWS_TABLE for the step section.
    --top2-configs times fused.argmax_top2's chunk configs (BLOCKwWARPS) at --top2-rows rows.
 7. mixed: a prompt chunk of T tokens riding in a step of B trees of T nodes (what the service does

@@ -500,3 +500,16 @@ def test_fused_forward_with_cublas_split_k_equals_without(monkeypatch):
     model.fused_ops = False
     assert parts == [1] * 2 * c.n_layer + [2] * c.n_layer + [8] * c.n_layer   # per layer: prefill, then tree step
     assert torch.allclose(out[0], out[1], atol=1e-4), float((out[0] - out[1]).abs().max())
+
+
+def test_tma_rows_experiment_kernel_equals_torch():
+    """tools/bench_tma_rows.py's TMA small-rows kernel (a measured experiment, docs/BENCHMARKS.md twentieth session)
+    against torch in the interpreter: gate/up with SiLU*up, and float32 K-slice partials with ragged K and columns."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_tma_rows.py"
+    spec = importlib.util.spec_from_file_location("bench_tma_rows", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.check()   # asserts each product within 1e-4 of torch's

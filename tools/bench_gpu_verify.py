@@ -522,6 +522,12 @@ def graph_us(calls: list, iters: int) -> float:
     return ms * 1000 / len(calls)
 
 
+def weight_copies(nbytes: int) -> int:
+    """How many copies of an `nbytes` weight a matmul timing rotates through: 256 MiB in all (2 to 64 copies),
+    more than L2 holds, so every call reads its weight from HBM as the forward does."""
+    return max(2, min(64, -(-256 * 2 ** 20 // nbytes)))
+
+
 def bench_matmuls(args, ceil: dict | None) -> dict:
     """cuBLAS vs fused.linear_rows per block matrix and row count (module docstring, section 6).
     The Triton form is what _forward_fused runs: wqkv with its bias; wo and w2 leaving float32
@@ -539,7 +545,7 @@ def bench_matmuls(args, ceil: dict | None) -> dict:
     g = torch.Generator(device=dev).manual_seed(11)
     for name, (n, k, has_bias) in MATMULS.items():
         wbytes = n * k * 2
-        copies = max(2, min(64, -(-256 * 2 ** 20 // wbytes)))
+        copies = weight_copies(wbytes)
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) / math.sqrt(k) for _ in range(copies)]
         b = torch.randn(n, device=dev, dtype=torch.bfloat16, generator=g) * 0.02 if has_bias else None
         pair = name == "w13"
@@ -552,14 +558,6 @@ def bench_matmuls(args, ceil: dict | None) -> dict:
             row["cublas_us"] = graph_us([lambda w=w: F.linear(x, w, b) for w in ws], args.iters)
             # the same product the other way round (W @ x^T: cuBLAS sees M = N, N = rows and may pick other kernels)
             row["cublas_wx_us"] = graph_us([lambda w=w: torch.mm(w, x.t()) for w in ws], args.iters)
-            if name in ("wo", "w2"):   # cuBLAS with K in slices, float32 partials for add_rmsnorm (fused.linear_split_k)
-                for parts in split_ks:
-                    if k % parts == 0:
-                        row[f"cublas_split{parts}_us"] = graph_us(
-                            [lambda w=w, p=parts: fused.linear_split_k(x, w, p) for w in ws], args.iters)
-                        got = fused.linear_split_k(x, ws[0], parts).sum(0)
-                        exact = F.linear(x.float(), ws[0].float())
-                        row[f"cublas_split{parts}_max_abs_err"] = float((got - exact).abs().max())
             if pair:
                 row["cublas_silu_us"] = graph_us([lambda w=w: fused.silu_mul(F.linear(x, w)) for w in ws], args.iters)
                 ref = fused.silu_mul_torch(F.linear(x.float(), ws[0].float()))
@@ -567,6 +565,13 @@ def bench_matmuls(args, ceil: dict | None) -> dict:
             else:
                 ref = F.linear(x.float(), ws[0].float(), None if b is None else b.float())
                 row["cublas_max_abs_err"] = float((F.linear(x, ws[0], b).float() - ref).abs().max())
+            if name in ("wo", "w2"):   # cuBLAS with K in slices, float32 partials for add_rmsnorm (fused.linear_split_k)
+                for parts in split_ks:
+                    if k % parts == 0:
+                        row[f"cublas_split{parts}_us"] = graph_us(
+                            [lambda w=w, p=parts: fused.linear_split_k(x, w, p) for w in ws], args.iters)
+                        got = fused.linear_split_k(x, ws[0], parts).sum(0)
+                        row[f"cublas_split{parts}_max_abs_err"] = float((got - ref).abs().max())
             if rows <= fused.LINEAR_ROWS_MAX:
                 gemv = rows == 1 and not pair
                 cfgs = [None] + ((GEMV_CANDIDATES[name] if gemv else MATMUL_CANDIDATES[name])

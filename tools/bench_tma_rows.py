@@ -93,8 +93,8 @@ CANDIDATES = {   # (BN, BK, SPLIT, warps, stages)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, pair: bool) -> torch.Tensor:
-    y = F.linear(x.float(), w.float())
-    return fused.silu_mul_torch(y.to(x.dtype)).float() if pair else y
+    """What rows_tma's output should be, from fused.py's torch references (partials summed)."""
+    return fused.linear_silu_torch(x, w).float() if pair else fused.linear_rows_partials_torch(x, w).sum(0)
 
 
 def check() -> None:
@@ -122,13 +122,13 @@ def main() -> int:
     check()
     if args.check:
         return 0
-    from bench_gpu_verify import graph_us   # noqa: E402 - tools/ is on sys.path when run as a script
+    from bench_gpu_verify import graph_us, weight_copies   # noqa: E402 - tools/ is on sys.path as a script
 
     g = torch.Generator(device="cuda").manual_seed(2)
     out = []
     for name, (n, k) in MATRICES.items():
         pair = name == "w13"
-        copies = max(2, min(64, -(-256 * 2 ** 20 // (n * k * 2))))
+        copies = weight_copies(n * k * 2)
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / math.sqrt(k) for _ in range(copies)]
         for rows in [int(r) for r in args.rows.split(",")]:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g)

@@ -747,11 +747,9 @@ def linear_split_k(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.T
     piece = k // parts
     xs = x.view(rows, parts, piece).transpose(0, 1)         # [parts, rows, piece]
     ws = weight.view(n, parts, piece).permute(1, 2, 0)     # [parts, piece, n]: each slice's W^T, no copy
-    if x.dtype == torch.float32:
-        return torch.bmm(xs, ws)
-    if x.is_cuda:   # bf16/fp16 operands, float32 accumulation and output
+    if x.is_cuda and x.dtype != torch.float32:   # bf16/fp16 operands, float32 accumulation and output
         return torch.bmm(xs, ws, out_dtype=torch.float32)
-    return torch.bmm(xs.float(), ws.float())
+    return torch.bmm(xs.float(), ws.float())   # (the CPU has no out_dtype; .float() of float32 is a no-op)
 
 
 ROPE_ROWS_ALL_HEADS = 16   # from this many token rows on, one rope_store program takes all of a row's heads

@@ -258,6 +258,7 @@ class TransformerLM(nn.Module):
         cos, sin = cos.reshape(rows, -1), sin.reshape(rows, -1)
         h, x = fused.add_rmsnorm(x, None, self.layers[0].attn_norm.weight, c.norm_eps)
         rope_in_matmul = use["wqkv"] and fused.rope_in_matmul_fits(rows, blk.wqkv.weight, c.head_dim)
+        w2_parts = fused.w2_split_k(rows, blk.w2.weight.shape[1])   # w2's K slices where it runs on cuBLAS
         warm_lines = fused.l2_warm_lines(rows, blk.wo.weight, blk.w13.weight) if x.is_cuda else None
         warm = self._side_stream() if warm_lines is not None else None
         for i, layer in enumerate(self.layers):
@@ -281,8 +282,7 @@ class TransformerLM(nn.Module):
             elif use["w2"]:  # float32 partials [SPLIT, rows, d], SiLU*up applied as w2 loads gate/up
                 down = fused.linear_rows_partials(layer.w13(h), layer.w2.weight, silu=True)
             else:
-                w2 = layer.w2.weight   # with fused.W2_SPLIT_K_ROWS: float32 partials of K slices
-                down = fused.linear_split_k(fused.silu_mul(layer.w13(h)), w2, fused.w2_split_k(rows, w2.shape[1]))
+                down = fused.linear_split_k(fused.silu_mul(layer.w13(h)), layer.w2.weight, w2_parts)
             if i + 1 < len(self.layers):
                 h, x = fused.add_rmsnorm(x, down, self.layers[i + 1].attn_norm.weight, c.norm_eps)
             elif logits:   # the final norm (float32 inside, rounded once for the LM head's operands)

@@ -513,3 +513,41 @@ def test_tma_rows_experiment_kernel_equals_torch():
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     tool.check()   # asserts each product within 1e-4 of torch's
+
+
+@pytest.mark.parametrize("attention,branches", [("triton", 2), ("torch", 3)])
+def test_fused_forward_in_batch_branches_equals_one_batch(attention, branches):
+    """The fused forward with the batch's sequences in branches (fused.BRANCH_ROWS: groups of sequences, each on a
+    stream of its own on a GPU, one after another here) equals it in one batch: three sequences of different
+    contexts, tree steps of 5 / 3 / 1 nodes and a step after acceptance, same decisions and real rows' logits, and
+    every group's K/V in its own sequences' slots (the next step reads them back)."""
+    from edgespec.verifier.torch import fused
+    from edgespec.verifier.torch.engine import Engine, TreeStep
+    from edgespec.verifier.torch.model import ModelConfig, TransformerLM
+
+    model = TransformerLM.random(ModelConfig.tiny("qwen2"), dtype=torch.float32, seed=14)
+    rng = np.random.default_rng(15)
+    prompts = [rng.integers(0, 512, size=n).tolist() for n in (17, 9, 30)]
+    trees = [([5, 9, 11, 3, 7], [-1, 0, 0, 1, 1]), ([8, 2, 6], [-1, 0, 1]), ([4], [-1])]
+    assert fused.batch_groups(3, 5) == [(0, 3)]   # off by default
+    runs = []
+    for rows in (0, 1):
+        with knobs.override({"BRANCH_ROWS": rows, "BRANCHES": branches}):
+            if rows:
+                assert len(fused.batch_groups(3, 5)) == branches
+            engine = Engine(model, num_blocks=48, block_size=4, attention=attention, fused=True)
+            seqs = [engine.new_sequence() for _ in prompts]
+            for s, p in zip(seqs, prompts):
+                engine.prefill(s, p)
+            decided, logits = [], []
+            for _ in range(2):
+                ds = engine.verify([TreeStep(s, t, par) for s, (t, par) in zip(seqs, trees)])
+                decided.append([(d.path, d.next_token) for d in ds])
+                got = engine.last_logits()   # the real rows (padding rows share a scratch block, whose last
+                logits.append(torch.cat([got[b, :len(t)] for b, (t, _) in enumerate(trees)]))  # writer differs)
+            runs.append((decided, logits))
+    model.fused_ops = False
+    (d0, l0), (d1, l1) = runs
+    assert d0 == d1
+    for a, b in zip(l0, l1):
+        assert torch.allclose(a, b, atol=1e-4), float((a - b).abs().max())

@@ -330,13 +330,6 @@ def check_l2_warm() -> dict:
     return same_steps_under([{"L2_WARM": 0}] + [{"L2_WARM": mb, "L2_WARM_ROWS": 1 << 20} for mb in (8, 32)])
 
 
-def check_branches() -> dict:
-    """fused.BRANCH_ROWS (a batch's sequences in groups, each group's layers on a stream of its own, joined before
-    the LM head) against one batch: the groups' matmuls have fewer rows, so logits may differ in the last bits,
-    but the decisions must be the same, and the branches must not read or write each other's cache slots."""
-    return same_steps_under([{"BRANCH_ROWS": 0}] + [{"BRANCH_ROWS": 2, "BRANCHES": n} for n in (2, 4)])
-
-
 def check_compaction() -> dict:
     """Compaction between CUDA-graph steps: two engines on the same tiny float32 model run the same
     steps; one compacts the cache before every step (threshold 0, checked every call), after short
@@ -1184,8 +1177,7 @@ def main() -> int:
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--skip", default="",
                    help="comma-separated sections to skip: ceilings,checks,attention,matmuls,step,mixed,hf,capacity")
-    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope,rows_rope,move_rows,tree_split,pdl,l2_warm,"
-                                       "branches",
+    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope,rows_rope,move_rows,tree_split,pdl,l2_warm",
                    help="which checks the checks section runs")
     p.add_argument("--small-rows-matmul", default="",
                    help="step cells with these Engine small_rows_matmul values, comma-separated: off (0), on (64) "
@@ -1263,8 +1255,7 @@ def main() -> int:
                                "RoPE in the 16-row wqkv matmul vs its own launch"),
                               ("move_rows", check_move_rows, "the compaction copy kernel vs index_copy_"),
                               ("pdl", check_pdl, "programmatic dependent launch vs plain launches"),
-                              ("l2_warm", check_l2_warm, "the next weights warmed into L2 beside attention vs not"),
-                              ("branches", check_branches, "the batch in branches on streams of their own vs one")):
+                              ("l2_warm", check_l2_warm, "the next weights warmed into L2 beside attention vs not")):
         if cuda and "checks" not in skip and name in checks:
             try:
                 result[f"{name}_check"] = check()

@@ -752,23 +752,6 @@ def linear_split_k(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.T
     return torch.bmm(xs.float(), ws.float())   # (the CPU has no out_dtype; .float() of float32 is a no-op)
 
 
-# -- a batch's sequences in branches of the captured graph ----------------------------------------------
-BRANCH_ROWS = 0   # from this many token rows on, a step of B >= 2 sequences runs its layers as BRANCHES groups of
-                  # sequences, each on a stream of its own (a fork in the captured graph, joined before the LM head):
-                  # one group's latency-bound kernels (norms, RoPE, attention and its merge, SiLU) can run beside
-                  # another's matmuls. Each group reads every weight again. 0: off
-BRANCHES = 2
-
-
-def batch_groups(B: int, T: int) -> list[tuple[int, int]]:
-    """The sequences [lo, hi) of each branch of a B x T step: BRANCHES near-equal groups where BRANCH_ROWS says,
-    else one group of all B."""
-    n = min(B, BRANCHES)
-    if not BRANCH_ROWS or B * T < BRANCH_ROWS or n < 2:
-        return [(0, B)]
-    return [(B * i // n, B * (i + 1) // n) for i in range(n)]
-
-
 ROPE_ROWS_ALL_HEADS = 16   # from this many token rows on, one rope_store program takes all of a row's heads
 
 

@@ -23,7 +23,6 @@ the engine's business (engine.py). The final norm and the LM head run in float32
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -166,10 +165,6 @@ class Attention(Protocol):
 
     def __call__(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor: ...
 
-    def select(self, lo: int, hi: int) -> "Attention":
-        """The same attention for sequences lo..hi-1 of the batch alone (views, no copies)."""
-        ...
-
 
 class TransformerLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int = 4096) -> None:
@@ -183,7 +178,7 @@ class TransformerLM(nn.Module):
         self.fused_ops = False  # fused.py's Triton kernels (CUDA); the engine turns them on
         # with fused_ops: fused.linear_rows for the four block matmuls when B*T <= this (0: cuBLAS always)
         self.small_rows_matmul = 0
-        self._streams: list[torch.cuda.Stream] = []   # the fused forward's side streams (_side_streams)
+        self._warm_stream: torch.cuda.Stream | None = None   # fused.L2_WARM's side stream, made on first use
         self.requires_grad_(False)
 
     # -- construction -------------------------------------------------------------------------
@@ -242,46 +237,13 @@ class TransformerLM(nn.Module):
 
     def _forward_fused(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                        cache: torch.Tensor, attend: Attention, logits: bool) -> torch.Tensor | None:
-        """The same forward with fused.py's Triton kernels (_layers_fused). Where fused.BRANCH_ROWS says, the
-        batch's sequences run in groups, each on a stream of its own (branches of the captured graph that
-        join before the LM head); a group's K/V go to its own sequences' slots, so branches share no write."""
-        from edgespec.verifier.torch import fused
-
-        B, T = tokens.shape
-        rows = B * T
-        cos, sin = cos.reshape(rows, -1), sin.reshape(rows, -1)
-        groups = fused.batch_groups(B, T)
-        if len(groups) == 1:
-            h = self._layers_fused(tokens, cos, sin, slots, cache, attend, logits, warm_ok=True)
-        else:
-            streams = self._side_streams(len(groups) - 1) if tokens.is_cuda else []
-            main = torch.cuda.current_stream() if tokens.is_cuda else None
-            for side in streams:   # every branch starts after what the step did before the forward
-                side.wait_stream(main)
-            parts = []
-            for g, (lo, hi) in enumerate(groups):   # the first group on the step's own stream
-                on = torch.cuda.stream(streams[g - 1]) if g and streams else contextlib.nullcontext()
-                with on:
-                    parts.append(self._layers_fused(tokens[lo:hi], cos[lo * T:hi * T], sin[lo * T:hi * T],
-                                                    slots[lo * T:hi * T], cache, attend.select(lo, hi), logits,
-                                                    warm_ok=False))
-            for side in streams:   # joined before anything reads the groups' outputs (and before capture ends)
-                main.wait_stream(side)
-            h = torch.cat(parts) if logits else None
-        if not logits:
-            return None
-        return self.lm_head_logits(h.view(B, T, self.config.d_model))
-
-    def _layers_fused(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                      cache: torch.Tensor, attend: Attention, logits: bool, warm_ok: bool) -> torch.Tensor | None:
-        """Embedding and every layer with fused.py's Triton kernels, for tokens [B, T] (cos, sin, slots per token
-        row); returns the final-normed hidden states [B*T, d] (None without logits). Eight to ten launches per
-        layer (the residual add is folded into the next RMSNorm, the last one into the final norm). With
-        small_rows_matmul >= B*T, the matmuls for which fused.LINEAR_ROWS_TABLE has a config (measured faster
-        than cuBLAS there) are fused.linear_rows: the split-K partials of wo and w2 are summed by the
-        add_rmsnorm that reads them (past the table, w2's cuBLAS K slices with fused.W2_SPLIT_K_ROWS); gate/up
-        runs as fused.linear_silu (SiLU*up its epilogue), or else w2's version applies SiLU*up as it loads
-        gate/up (no silu_mul launch either way). warm_ok: L2 warming on a side stream may run (fused.L2_WARM)."""
+        """The same forward with fused.py's Triton kernels: eight to ten launches per layer (the residual
+        add is folded into the next RMSNorm, the last one into the final norm). With small_rows_matmul >= B*T,
+        the matmuls for which fused.LINEAR_ROWS_TABLE has a config (measured faster than cuBLAS there)
+        are fused.linear_rows: the split-K partials of wo and w2 are summed by the add_rmsnorm that reads
+        them (past the table, w2's cuBLAS K slices with fused.W2_SPLIT_K_ROWS); gate/up runs as
+        fused.linear_silu (SiLU*up its epilogue), or else w2's version applies SiLU*up as it loads gate/up
+        (no silu_mul launch either way)."""
         from edgespec.verifier.torch import fused
 
         c = self.config
@@ -293,11 +255,12 @@ class TransformerLM(nn.Module):
                for name in ("wqkv", "wo", "w13", "w2")}   # per matrix: where the table says it beats cuBLAS
         use["w13"] = use["w13"] and rows >= fused.LINEAR_SILU_ROWS
         x = self.embed(tokens).view(rows, c.d_model)
+        cos, sin = cos.reshape(rows, -1), sin.reshape(rows, -1)
         h, x = fused.add_rmsnorm(x, None, self.layers[0].attn_norm.weight, c.norm_eps)
         rope_in_matmul = use["wqkv"] and fused.rope_in_matmul_fits(rows, blk.wqkv.weight, c.head_dim)
         w2_parts = fused.w2_split_k(rows, blk.w2.weight.shape[1])   # w2's K slices where it runs on cuBLAS
-        warm_lines = fused.l2_warm_lines(rows, blk.wo.weight, blk.w13.weight) if x.is_cuda and warm_ok else None
-        warm = self._side_streams(1)[0] if warm_lines is not None else None
+        warm_lines = fused.l2_warm_lines(rows, blk.wo.weight, blk.w13.weight) if x.is_cuda else None
+        warm = self._side_stream() if warm_lines is not None else None
         for i, layer in enumerate(self.layers):
             if rope_in_matmul:   # one launch: the matmul's epilogue rotates and writes the cache
                 q = fused.linear_rope_store(h, layer.wqkv.weight, layer.wqkv.bias, cos, sin, cache[i], slots,
@@ -326,14 +289,15 @@ class TransformerLM(nn.Module):
                 h, x = fused.add_rmsnorm(x, down, self.norm.weight, c.norm_eps)
         if warm is not None:   # the side stream rejoins (a captured graph must end on the stream it began on)
             torch.cuda.current_stream().wait_stream(warm)
-        return h if logits else None
+        if not logits:
+            return None
+        return self.lm_head_logits(h.view(B, T, c.d_model))
 
-    def _side_streams(self, n: int) -> list[torch.cuda.Stream]:
-        """The forward's extra streams (made on first use; captured graphs fork onto them): the first warms L2
-        beside attention (fused.L2_WARM) or runs a batch group's branch (fused.BRANCH_ROWS)."""
-        while len(self._streams) < n:
-            self._streams.append(torch.cuda.Stream(self.device))
-        return self._streams[:n]
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The stream that warms L2 beside the forward (one per model: captured graphs fork onto it)."""
+        if self._warm_stream is None:
+            self._warm_stream = torch.cuda.Stream(self.device)
+        return self._warm_stream
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head in float32 (argmax and top-2 margins are decided on these)."""

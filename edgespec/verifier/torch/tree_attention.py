@@ -86,12 +86,6 @@ class TorchPagedAttention:
         """The same from ancestor bits (tree_ops.prepare's [B, T, W] int32) instead of a bool mask."""
         return cls(tables, ctx_lens, unpack_ancestor_bits(bits, bits.shape[1]), block_size, group)
 
-    def select(self, lo: int, hi: int) -> "TorchPagedAttention":
-        """The same attention for sequences lo..hi-1 alone (a batch group of the forward's branches)."""
-        sub = self.__class__.__new__(self.__class__)
-        sub.mask, sub.slots = self.mask[lo:hi], self.slots[lo:hi]
-        return sub
-
     def __call__(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         B, T, Hq, D = q.shape
         Hkv = cache.shape[2]

@@ -267,13 +267,6 @@ class TritonPagedAttention:
         self.max_keys = tables.shape[1] * block_size
         self.nsplit = nsplit
 
-    def select(self, lo: int, hi: int) -> "TritonPagedAttention":
-        """The same attention for sequences lo..hi-1 alone (a batch group of the forward's branches): views of
-        the tables, lengths and bits, no copies or launches."""
-        sub = self.__class__.__new__(self.__class__)
-        sub._setup(self.tables[lo:hi], self.ctx[lo:hi], self.bits[lo:hi], self.block_size, self.group, self.nsplit)
-        return sub
-
     def splits(self, B: int, h_kv: int, m_tiles: int, block_m: int) -> int:
         """Enough programs to fill the GPU (TARGET_PROGRAMS), but >= MIN_SPLIT_KEYS keys per split
         (FEW_ROWS_SPLIT_KEYS for 16-row tiles); at most 32 splits."""

@@ -42,24 +42,6 @@ def test_pdl_is_a_knob_and_stays_off_without_a_gpu_that_has_it():
     assert pdl.triton_has_pdl()   # the pinned Triton (constraints/ci.txt) has it: the GPU host runs the same
 
 
-def test_pdl_small_launches_only_the_kernels_that_are_not_matmuls_early(monkeypatch):
-    """Past PDL rows and up to PDL_SMALL, every kernel is compiled with the wait (and the early trigger), but only
-    the small ones launch with PDL; the matmuls launch as before."""
-    import torch
-
-    monkeypatch.setattr(pdl, "_supported", lambda index: True)
-    dev = torch.device("cuda", 0)
-    with knobs.override({"PDL": 16, "PDL_SMALL": 0, "TRIGGER": 0}):
-        assert pdl.launch_args(dev, 64) == pdl.launch_args(dev, 64, matmul=True) == {"GDC": False}
-        assert pdl.launch_args(dev, 16, matmul=True) == {"GDC": 1, "launch_pdl": True}
-    with knobs.override({"PDL": 16, "PDL_SMALL": 64, "TRIGGER": 0}):
-        assert pdl.launch_args(dev, 16, matmul=True) == {"GDC": 1, "launch_pdl": True}
-        assert pdl.launch_args(dev, 64) == {"GDC": 1, "launch_pdl": True}
-        assert pdl.launch_args(dev, 64, matmul=True) == {"GDC": 1, "launch_pdl": False}
-        assert pdl.launch_args(dev, 65) == {"GDC": False}
-        assert pdl.launch_args(torch.device("cpu"), 64) == {"GDC": False}
-
-
 def _probe(gdc: int) -> dict[str, dict]:
     """Compile every forward kernel as launched with GDC = `gdc` (0: PDL off; 1 + pdl.TRIGGER)."""
     out = subprocess.run([sys.executable, __file__, str(int(gdc))], capture_output=True, text=True, timeout=600,
@@ -197,7 +179,7 @@ def _compile_launches(gdc: int) -> dict[str, dict]:
         for name, value in list(vars(module).items()):
             if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith(("_kernel", "_split", "_merge")):
                 setattr(module, name, Recorder(value))
-    pdl.launch_args = lambda device, rows, matmul=False: {"GDC": gdc, "launch_pdl": True} if gdc else {"GDC": False}
+    pdl.launch_args = lambda device, rows: {"GDC": gdc, "launch_pdl": True} if gdc else {"GDC": False}
 
     bf = torch.bfloat16
     d, f, heads, kv_heads, hd = 1536, 8960, 12, 2, 128

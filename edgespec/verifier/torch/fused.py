@@ -671,8 +671,7 @@ def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         epilogue = (x, x, x, x, x, 0)   # no RoPE: placeholders
     common = dict(HAS_BIAS=bias is not None and not to_partials, SILU=silu, PARTIALS=to_partials, BLOCK_K=block_k,
                   ROPE_D=D, H_Q=rope.n_head if rope else 0, H_KV=rope.n_head_kv if rope else 0, num_warps=warps,
-                  num_stages=stages, LINES=pdl.lines(block_k, weight),
-                  **pdl.launch_args(x.device, rows, matmul=True))
+                  num_stages=stages, LINES=pdl.lines(block_k, weight), **pdl.launch_args(x.device, rows))
     if gemv:
         units = triton.cdiv(n, cols) * split
         progs = min(units, _gemv_programs(x.device))

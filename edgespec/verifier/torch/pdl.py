@@ -33,10 +33,6 @@ except ImportError:  # pragma: no cover - CPU installs without triton never laun
 PDL = 16  # H200, 2026-12-02, replay against PDL = 0 in one process (docs/BENCHMARKS.md tenth session): 1 x 1
           # -11.6 %, 1 x 16 -5.5 %, 8 x 1 -6.2 %, 1 x 64 / 8 x 16 / 8 x 64 (no PDL there) within 1.3 %; the
           # steps bit-identical to plain launches
-PDL_SMALL = 0  # past PDL rows and up to this many: only the kernels that are not matmuls (norms, RoPE, attention and its
-               # merge, SiLU, sums, top-2) launch with PDL, so each one's launch gap hides behind the kernel before it;
-               # the small-rows matmuls there are compiled with the wait and the early trigger (the kernel after one may
-               # launch early) but launch as before, never sitting on SMs before their turn. 0: off
 TRIGGER = 0  # where a kernel launched with PDL lets the next one launch: 0 at its start, right after its wait (the
              # next kernel's programs then sit on SMs, waiting, while this one still has programs to place); 1 once
              # its main loop is done (gdc_release in the matmul and attention kernels; the others at their exit);
@@ -70,14 +66,12 @@ def _supported(index: int) -> bool:
             and (driver is None or driver() >= _MIN_DRIVER))
 
 
-def launch_args(device: torch.device, rows: int, matmul: bool = False) -> dict[str, int | bool]:
+def launch_args(device: torch.device, rows: int) -> dict[str, int | bool]:
     """Keyword arguments for a Triton launch on `device` serving `rows` token rows: GDC, the kernels'
-    constexpr that compiles the wait in, and launch_pdl, Triton's launch option; both on for
-    0 < rows <= PDL on a GPU that has PDL, and for up to PDL_SMALL rows the wait compiled in everywhere
-    but launch_pdl only for kernels that are not a `matmul`."""
-    if not (0 < rows <= max(PDL, PDL_SMALL) and device.type == "cuda" and _supported(device.index or 0)):
-        return {"GDC": False}
-    return {"GDC": gdc_mode(), "launch_pdl": rows <= PDL or not matmul}
+    constexpr that compiles the wait in, and launch_pdl, Triton's launch option; both on only for
+    0 < rows <= PDL on a GPU that has PDL."""
+    on = 0 < rows <= PDL and device.type == "cuda" and _supported(device.index or 0)
+    return {"GDC": gdc_mode(), "launch_pdl": True} if on else {"GDC": False}
 
 
 def gdc_mode() -> int:

@@ -513,3 +513,29 @@ def test_tma_rows_experiment_kernel_equals_torch():
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     tool.check()   # asserts each product within 1e-4 of torch's
+
+
+@pytest.mark.parametrize("tiles,config,span", [(1, (16, 128, 1, 4, 6), 128), (4, (16, 128, 1, 4, 6), 512),
+                                               (4, (16, 64, 8, 4, 6), 128), (16, (16, 64, 1, 4, 6), 1024)])
+def test_prefetch_tiles_spans_whole_tiles_of_the_slice(monkeypatch, tiles, config, span):
+    """fused.PREFETCH_TILES: with PDL, a small-rows matmul program asks L2 for the first tiles of its K slice before
+    it waits, a power of two of whole tiles inside the slice (1536 = 12 tiles of 128; 8 slices of 192 = 3 tiles of
+    64: two; 24 tiles of 64: sixteen), one 128-byte line per 32 float32 weights of each row."""
+    from edgespec.verifier.torch import fused
+
+    seen = {}
+    kernel = fused._linear_rows_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.update(SPAN=kw["SPAN"], LINES=kw["LINES"])
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(fused, "_linear_rows_kernel", Spy())
+    x, w = torch.randn(4, 1536), torch.randn(64, 1536)   # float32 (the interpreter's bf16 dot is not the GPU's)
+    with knobs.override({"PREFETCH_TILES": tiles}):
+        out = fused.linear_rows_partials(x, w, config=config)
+    assert seen == {"SPAN": span, "LINES": span * 4 // 128}
+    assert torch.allclose(out.sum(0), x @ w.T, atol=1e-3)

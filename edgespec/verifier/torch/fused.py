@@ -245,7 +245,7 @@ if triton is not None:
                             K_TILES: tl.constexpr, COLS: tl.constexpr, R_MAIN: tl.constexpr, R_TAIL: tl.constexpr,
                             HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PAIR: tl.constexpr, PARTIALS: tl.constexpr,
                             EVEN_K: tl.constexpr, IEEE: tl.constexpr, ROWS_P: tl.constexpr,
-                            BLOCK_K: tl.constexpr, GDC: tl.constexpr, LINES: tl.constexpr,
+                            BLOCK_K: tl.constexpr, GDC: tl.constexpr, LINES: tl.constexpr, SPAN: tl.constexpr,
                             ROPE_D: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr):
         """out^T [cols, rows] = W[cols, k-slice] @ x^T[k-slice, rows] for program pid0's COLS output
         columns (any count: the GPU's SMs get an equal share, not whole power-of-two blocks, whose last
@@ -257,8 +257,8 @@ if triton is not None:
         (no gate/up tensor, no silu_mul launch). PARTIALS: float32 [SPLIT, rows, N]; else the bias is
         added and O [rows, N] written. ROPE_D > 0 (wqkv): no O [rows, N]; the epilogue rotates q and k and
         writes q to O [rows, H_Q, D], k and v to the cache (_rows_store). EVEN_K: every slice is whole BLOCK_K
-        tiles inside K. With GDC the first tile's weight lines (LINES per row) are asked of L2 before the
-        wait (pdl.py)."""
+        tiles inside K. With GDC the weight lines of the slice's first SPAN elements (LINES per row of the
+        main tile) are asked of L2 before the wait (pdl.py, PREFETCH_TILES)."""
         p = tl.program_id(0)
         split = tl.program_id(1)
         r = tl.arange(0, ROWS_P)
@@ -267,7 +267,7 @@ if triton is not None:
         k_lo = split * k_split
         w_main, col_main, ok_main = _rows_of(p, 0, R_MAIN, COLS, N, PAIR, ROPE_D)
         if GDC:
-            at = k_lo + tl.arange(0, LINES) * (BLOCK_K // LINES)
+            at = k_lo + tl.arange(0, LINES) * (SPAN // LINES)
             prefetch_l2(W, w_main[:, None] * K + at[None, :], ok_main[:, None] & (at < K)[None, :], GDC)
         gdc_enter(GDC)
         w_main = W + w_main[:, None] * K + kk[None, :]
@@ -616,6 +616,8 @@ def linear_rows_config(rows: int, n: int, k: int, *, pair: bool = False, can_spl
     return block_n, block_k, split, 4, 3
 
 
+PREFETCH_TILES = 1   # with PDL, the first K tiles of its slice (a power of two; each row of its main tile) that a
+                     # _linear_rows_kernel program asks L2 for before it waits for the kernel before it
 GEMV_PROGRAMS_PER_SM = 4   # the one-row GEMV's persistent grid (H200, 2026-12-01: the best config of each
                            # matrix with 4 / 2 / 1 per SM: wqkv 4.86 / 4.85 / 5.56 us, wo 3.95 / 4.22, w13 17.9 / 20.3)
 
@@ -680,10 +682,13 @@ def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                                SPLIT=split, EVEN=n % cols == 0 and k % k_split == 0, BLOCK_N=cols, **common)
     else:
         r_main, r_tail = _row_tiles((2 if pair else 1) * cols)
+        ahead = min(PREFETCH_TILES, k_split // block_k)
+        span = block_k << max(0, ahead.bit_length() - 1)   # a power of two of whole tiles inside the slice
         _linear_rows_kernel[(triton.cdiv(n_out, cols), split)](
             x, weight, x if bias is None else bias, out, rows, n_out, k, k_split, x.shape[1], *epilogue,
             K_TILES=k_split // block_k, COLS=cols, R_MAIN=r_main, R_TAIL=r_tail, PAIR=pair, EVEN_K=k % k_split == 0,
-            IEEE=weight.dtype == torch.float32, ROWS_P=max(16, triton.next_power_of_2(rows)), **common)
+            IEEE=weight.dtype == torch.float32, ROWS_P=max(16, triton.next_power_of_2(rows)),
+            **{**common, "LINES": pdl.lines(span, weight)}, SPAN=span)
     if partials or split == 1:
         return out
     summed = torch.empty(rows, n, dtype=x.dtype, device=x.device)

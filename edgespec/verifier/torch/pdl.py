@@ -15,7 +15,11 @@ Knob PDL (edgespec.verifier.torch.knobs): the most token rows (B * T of a step) 
 with PDL; 0 launches everything as before. On the H200 (2026-12-02, docs/BENCHMARKS.md tenth session)
 PDL on every launch made the graph replay 11 % faster at 1 x 1, 5-6 % at 1 x 16 and 8 x 1, but 4 %
 slower at 1 x 64, 9 % at 8 x 16 and 17 % at 8 x 64 (why was not profiled): few rows are latency,
-which PDL hides, many are not. Hence a row bound, 16 by default. The wait is compiled in only where
+which PDL hides, many are not. Hence a row bound: 16 until the twenty-first session re-measured 1 x 64
+with the kernels of the time (-2.9 %) and moved it to 64, the most rows the small-rows matmuls serve; past them the
+matmuls are cuBLAS's, and Triton kernels launched with PDL behind them made 8 x 64 22 % slower (measured, not
+profiled; likely cuBLAS lets the next kernel launch early and its waiting programs take SMs the GEMM's later waves
+need). The wait is compiled in only where
 PDL is used (GDC), so the CPU interpreter and older GPUs run the same kernels unchanged.
 """
 from __future__ import annotations
@@ -30,9 +34,11 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without triton never launch these kernels
     triton = None
 
-PDL = 16  # H200, 2026-12-02, replay against PDL = 0 in one process (docs/BENCHMARKS.md tenth session): 1 x 1
+PDL = 64  # H200, 2026-12-02, replay against PDL = 0 in one process (docs/BENCHMARKS.md tenth session): 1 x 1
           # -11.6 %, 1 x 16 -5.5 %, 8 x 1 -6.2 %, 1 x 64 / 8 x 16 / 8 x 64 (no PDL there) within 1.3 %; the
-          # steps bit-identical to plain launches
+          # steps bit-identical to plain launches. 64 since the twenty-first session (2026-12-04, replays round-robin
+          # against 16): 1 x 64 -2.9 %, the other cells within 0.3 % (up to 64 rows every matmul but wqkv is ours;
+          # past them they are cuBLAS's, and Triton kernels launched with PDL behind them made 8 x 64 22 % slower)
 TRIGGER = 0  # where a kernel launched with PDL lets the next one launch: 0 at its start, right after its wait (the
              # next kernel's programs then sit on SMs, waiting, while this one still has programs to place); 1 once
              # its main loop is done (gdc_release in the matmul and attention kernels; the others at their exit);

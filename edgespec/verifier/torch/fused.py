@@ -617,7 +617,9 @@ def linear_rows_config(rows: int, n: int, k: int, *, pair: bool = False, can_spl
 
 
 PREFETCH_TILES = 1   # with PDL, the first K tiles of its slice (a power of two; each row of its main tile) that a
-                     # _linear_rows_kernel program asks L2 for before it waits for the kernel before it
+                     # _linear_rows_kernel program asks L2 for before it waits for the kernel before it. More lost on
+                     # the H200 (2026-12-04, replays round-robin): 4 tiles 1 x 16 +2.7 %, 8 x 1 +1.3 %, 1 x 64 -0.3 %;
+                     # 16 tiles up to +7.9 %
 GEMV_PROGRAMS_PER_SM = 4   # the one-row GEMV's persistent grid (H200, 2026-12-01: the best config of each
                            # matrix with 4 / 2 / 1 per SM: wqkv 4.86 / 4.85 / 5.56 us, wo 3.95 / 4.22, w13 17.9 / 20.3)
 

@@ -15,12 +15,12 @@ Knob PDL (edgespec.verifier.torch.knobs): the most token rows (B * T of a step) 
 with PDL; 0 launches everything as before. On the H200 (2026-12-02, docs/BENCHMARKS.md tenth session)
 PDL on every launch made the graph replay 11 % faster at 1 x 1, 5-6 % at 1 x 16 and 8 x 1, but 4 %
 slower at 1 x 64, 9 % at 8 x 16 and 17 % at 8 x 64 (why was not profiled): few rows are latency,
-which PDL hides, many are not. Hence a row bound: 16 until the twenty-first session re-measured 1 x 64
-with the kernels of the time (-2.9 %) and moved it to 64, the most rows the small-rows matmuls serve; past them the
-matmuls are cuBLAS's, and Triton kernels launched with PDL behind them made 8 x 64 22 % slower (measured, not
-profiled; likely cuBLAS lets the next kernel launch early and its waiting programs take SMs the GEMM's later waves
-need). The wait is compiled in only where
-PDL is used (GDC), so the CPU interpreter and older GPUs run the same kernels unchanged.
+which PDL hides, many are not. Hence a row bound: 16 until the twenty-first session re-measured
+1 x 64 with the kernels of the time (-2.9 %) and moved it to 64, the most rows the small-rows matmuls
+serve. Past them the matmuls are cuBLAS's, and Triton kernels launched with PDL behind them made
+8 x 64 22 % slower (measured, not profiled; likely cuBLAS lets the next kernel launch early and its
+waiting programs take SMs that the GEMM's later waves need). The wait is compiled in only where PDL
+is used (GDC), so the CPU interpreter and older GPUs run the same kernels unchanged.
 """
 from __future__ import annotations
 

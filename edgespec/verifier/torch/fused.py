@@ -482,12 +482,12 @@ def argmax_top2(logits: torch.Tensor, block: int | None = None, warps: int | Non
     val = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     idx = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
     second = torch.empty_like(val)
-    _top2_chunks_kernel[(rows, chunks)](logits, val, idx, second, V, chunks, BLOCK=block, num_warps=warps,
-                                        **pdl.launch_args(logits.device, rows, feeds_chain=True))
+    gdc = pdl.launch_args(logits.device, rows)
+    _top2_chunks_kernel[(rows, chunks)](logits, val, idx, second, V, chunks, BLOCK=block, num_warps=warps, **gdc)
     arg = torch.empty(rows, dtype=torch.int64, device=logits.device)
     margin = torch.empty(rows, dtype=torch.float32, device=logits.device)
     _top2_merge_kernel[(rows,)](val, idx, second, arg, margin, chunks, CHUNKS_P2=triton.next_power_of_2(chunks),
-                                num_warps=1, **pdl.launch_args(logits.device, rows, chained=True))
+                                num_warps=1, **gdc)
     return arg, margin
 
 
@@ -771,7 +771,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: t
     per_program = triton.next_power_of_2(heads) if rows >= ROPE_ROWS_ALL_HEADS else min(2, triton.next_power_of_2(heads))
     _rope_store_kernel[(rows, triton.cdiv(heads, per_program))](
         qkv, cos, sin, slots, cache, cache, q, cache.stride(0), H_Q=n_head, H_KV=n_head_kv, D=D, HEADS=per_program,
-        num_warps=4 if per_program * D >= 2048 else 1, **pdl.launch_args(qkv.device, rows, feeds_chain=True))
+        num_warps=4 if per_program * D >= 2048 else 1, **pdl.launch_args(qkv.device, rows))
     return q
 
 

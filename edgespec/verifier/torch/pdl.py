@@ -39,10 +39,6 @@ PDL = 64  # H200, 2026-12-02, replay against PDL = 0 in one process (docs/BENCHM
           # steps bit-identical to plain launches. 64 since the twenty-first session (2026-12-04, replays round-robin
           # against 16): 1 x 64 -2.9 %, the other cells within 0.3 % (up to 64 rows every matmul but wqkv is ours;
           # past them they are cuBLAS's, and Triton kernels launched with PDL behind them made 8 x 64 22 % slower)
-PDL_CHAINS = 0  # past PDL rows and up to this many: a kernel whose predecessor in the stream is always one of these
-               # Triton kernels (the attention after RoPE, its merge, the top-2 merge) launches with PDL, and those
-               # predecessors are compiled with the early trigger; a kernel after a cuBLAS GEMM launches as before
-               # (behind one, an early launch slowed 8 x 64 by 22 %). 0: off
 TRIGGER = 0  # where a kernel launched with PDL lets the next one launch: 0 at its start, right after its wait (the
              # next kernel's programs then sit on SMs, waiting, while this one still has programs to place); 1 once
              # its main loop is done (gdc_release in the matmul and attention kernels; the others at their exit);
@@ -76,19 +72,12 @@ def _supported(index: int) -> bool:
             and (driver is None or driver() >= _MIN_DRIVER))
 
 
-def launch_args(device: torch.device, rows: int, *, chained: bool = False, feeds_chain: bool = False
-                ) -> dict[str, int | bool]:
+def launch_args(device: torch.device, rows: int) -> dict[str, int | bool]:
     """Keyword arguments for a Triton launch on `device` serving `rows` token rows: GDC, the kernels'
-    constexpr that compiles the wait in, and launch_pdl, Triton's launch option; both on for
-    0 < rows <= PDL on a GPU that has PDL. Up to PDL_CHAINS rows, also for a `chained` kernel (its
-    predecessor is always one of ours), and the wait and trigger alone for one that `feeds_chain`."""
-    if not (rows > 0 and device.type == "cuda" and _supported(device.index or 0)):
-        return {"GDC": False}
-    if rows <= PDL:
-        return {"GDC": gdc_mode(), "launch_pdl": True}
-    if rows <= PDL_CHAINS and (chained or feeds_chain):
-        return {"GDC": gdc_mode(), "launch_pdl": chained}
-    return {"GDC": False}
+    constexpr that compiles the wait in, and launch_pdl, Triton's launch option; both on only for
+    0 < rows <= PDL on a GPU that has PDL."""
+    on = 0 < rows <= PDL and device.type == "cuda" and _supported(device.index or 0)
+    return {"GDC": gdc_mode(), "launch_pdl": True} if on else {"GDC": False}
 
 
 def gdc_mode() -> int:

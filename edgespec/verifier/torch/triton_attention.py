@@ -298,7 +298,7 @@ class TritonPagedAttention:
         l_ = torch.empty_like(m)
         W = self.bits.shape[2]
         grid = (m_tiles, ns, B * Hkv) if self.M_FIRST else (B * Hkv, ns, m_tiles)
-        gdc = pdl.launch_args(q.device, B * T, chained=True)   # after RoPE (fused or rope_store); then the merge
+        gdc = pdl.launch_args(q.device, B * T)
         _tree_attn_split[grid](
             q, cache, self.tables, self.ctx, self.bits, acc, m, l_, out,
             1.0 / math.sqrt(D), cache.stride(0), self.tables.shape[1], T, G, W, MT,

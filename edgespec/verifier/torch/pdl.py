@@ -19,8 +19,9 @@ which PDL hides, many are not. Hence a row bound: 16 until the twenty-first sess
 1 x 64 with the kernels of the time (-2.9 %) and moved it to 64, the most rows the small-rows matmuls
 serve. Past them the matmuls are cuBLAS's, and Triton kernels launched with PDL behind them made
 8 x 64 22 % slower (measured, not profiled; likely cuBLAS lets the next kernel launch early and its
-waiting programs take SMs that the GEMM's later waves need). The wait is compiled in only where PDL
-is used (GDC), so the CPU interpreter and older GPUs run the same kernels unchanged.
+waiting programs take SMs that the GEMM's later waves need); launched with PDL only behind our own
+kernels there (attention after RoPE, its merge), 8 x 64 was still 2.1 % slower. The wait is compiled
+in only where PDL is used (GDC), so the CPU interpreter and older GPUs run the same kernels unchanged.
 """
 from __future__ import annotations
 

@@ -76,8 +76,9 @@ case $phase in
     # tied; the small-rows matmuls with TMA tiles (tools/bench_tma_rows.py) no faster. The twenty-first session's:
     # PDL up to 64 rows (PDL=64: 1 x 64 -2.4 to -2.9 %) adopted; the batch's sequences in stream branches of the
     # step graph (+7 to +29 % wherever it split), PDL for the non-matmul kernels alone (PDL_SMALL: 8 x 64 +22 %) and
-    # past 64 rows for the kernels behind our own (PDL_CHAINS: 8 x 64 +2.1 %) removed; deeper L2 prefetch before the PDL wait (PREFETCH_TILES=4, 16) lost at <= 16 rows; L2 warming up to
-    # 64 rows (L2_WARM_ROWS=64) -0.9 % at 1 x 64, once, not adopted. No candidate is pending: the
+    # past 64 rows for the kernels behind our own (PDL_CHAINS: 8 x 64 +2.1 %) removed; deeper L2 prefetch before the
+    # PDL wait (PREFETCH_TILES=4, 16) lost at <= 16 rows; L2 warming up to 64 rows (L2_WARM_ROWS=64) -0.9 % at
+    # 1 x 64, once, not adopted. No candidate is pending: the
     # phase times the defaults; add a variant as 'triton,triton!KNOB=V' (with the pdl check for PDL or TRIGGER,
     # l2_warm for L2_WARM).
     EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,capacity,mixed,hf,matmuls \

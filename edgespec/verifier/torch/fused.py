@@ -675,13 +675,14 @@ def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         epilogue = (x, x, x, x, x, 0)   # no RoPE: placeholders
     common = dict(HAS_BIAS=bias is not None and not to_partials, SILU=silu, PARTIALS=to_partials, BLOCK_K=block_k,
                   ROPE_D=D, H_Q=rope.n_head if rope else 0, H_KV=rope.n_head_kv if rope else 0, num_warps=warps,
-                  num_stages=stages, LINES=pdl.lines(block_k, weight), **pdl.launch_args(x.device, rows))
+                  num_stages=stages, **pdl.launch_args(x.device, rows))
     if gemv:
         units = triton.cdiv(n, cols) * split
         progs = min(units, _gemv_programs(x.device))
         _gemv_kernel[(progs,)](x, weight, x if bias is None else bias, out, n, k, k_split, units, *epilogue,
                                ITERS=triton.cdiv(units, progs) * (k_split // block_k), K_TILES=k_split // block_k,
-                               SPLIT=split, EVEN=n % cols == 0 and k % k_split == 0, BLOCK_N=cols, **common)
+                               SPLIT=split, EVEN=n % cols == 0 and k % k_split == 0, BLOCK_N=cols,
+                               LINES=pdl.lines(block_k, weight), **common)
     else:
         r_main, r_tail = _row_tiles((2 if pair else 1) * cols)
         ahead = min(PREFETCH_TILES, k_split // block_k)
@@ -690,7 +691,7 @@ def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             x, weight, x if bias is None else bias, out, rows, n_out, k, k_split, x.shape[1], *epilogue,
             K_TILES=k_split // block_k, COLS=cols, R_MAIN=r_main, R_TAIL=r_tail, PAIR=pair, EVEN_K=k % k_split == 0,
             IEEE=weight.dtype == torch.float32, ROWS_P=max(16, triton.next_power_of_2(rows)),
-            **{**common, "LINES": pdl.lines(span, weight)}, SPAN=span)
+            LINES=pdl.lines(span, weight), SPAN=span, **common)
     if partials or split == 1:
         return out
     summed = torch.empty(rows, n, dtype=x.dtype, device=x.device)

@@ -100,12 +100,14 @@ def test_attention_from_qkv_equals_rope_store_then_attention(nsplit, tree_split,
     want_cache = cache.clone()
     q = fused.rope_store_torch(qkv, cos, sin, want_cache, slots, Hq, Hkv).view(B, T, Hq, D)
     want = TorchPagedAttention(tables, ctx, anc, bs, G)(q, want_cache)
-    kernel = TritonPagedAttention(tables, ctx, anc, bs, G, nsplit=nsplit)
-    kernel.TREE_SPLIT = tree_split
-    out = kernel.from_qkv(qkv, cos, sin, slots, cache, Hq)
-    assert torch.equal(cache, want_cache)
-    for b, n in enumerate(sizes):
-        assert torch.allclose(out[b, :n], want[b, :n], atol=1e-5), float((out[b, :n] - want[b, :n]).abs().max())
+    for store in (1, 2):   # the split kernel or the merge writes the step's K/V
+        kernel = TritonPagedAttention(tables, ctx, anc, bs, G, nsplit=nsplit)
+        kernel.TREE_SPLIT, kernel.ROPE_FROM_QKV = tree_split, store
+        got_cache = cache.clone()
+        out = kernel.from_qkv(qkv, cos, sin, slots, got_cache, Hq)
+        assert torch.equal(got_cache, want_cache)
+        for b, n in enumerate(sizes):
+            assert torch.allclose(out[b, :n], want[b, :n], atol=1e-5), float((out[b, :n] - want[b, :n]).abs().max())
 
 
 def test_fitted_query_tiles_pad_fewer_rows():

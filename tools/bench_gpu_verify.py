@@ -1263,7 +1263,7 @@ def main() -> int:
                               ("move_rows", check_move_rows, "the compaction copy kernel vs index_copy_"),
                               ("pdl", check_pdl, "programmatic dependent launch vs plain launches"),
                               ("l2_warm", check_l2_warm, "the next weights warmed into L2 beside attention vs not"),
-                              ("rope_attn", lambda: same_steps_under([{"ROPE_FROM_QKV": 0}, {"ROPE_FROM_QKV": 1}]),
+                              ("rope_attn", lambda: same_steps_under([{"ROPE_FROM_QKV": v} for v in (0, 1, 2)]),
                                "RoPE and the cache writes in the attention kernel vs rope_store's launch")):
         if cuda and "checks" not in skip and name in checks:
             try:

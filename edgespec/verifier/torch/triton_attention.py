@@ -138,7 +138,7 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O, Cos, Sin, Slots,
                      D: tl.constexpr, BS: tl.constexpr,
                      NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      M_FIRST: tl.constexpr, TREE_SPLIT: tl.constexpr, OFF32: tl.constexpr, GDC: tl.constexpr,
-                     ROPE: tl.constexpr):
+                     ROPE: tl.constexpr, STORE: tl.constexpr):
     """ROPE: Q is the QKV matmul's output [B*T, (H_Q + 2 H_KV) * D] (row stride q_row), not yet rotated: q and
     the step's own keys are rotated as they load (_rope_rows, _tile), and the first query tile's programs
     write the step's K/V into the cache slots Slots[B*T] (rope_store's job, one launch fewer)."""
@@ -172,7 +172,7 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O, Cos, Sin, Slots,
         q = _rope_rows(Q, b * T + t, row_ok, (h * G + g) * D, d, Cos, Sin, q_row, D)
     else:
         q = tl.load(Q + ((b * T + t) * q_row + (h * G + g) * D)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-    write = pid_m == 0   # (ROPE) one query tile of each (sequence, KV head) stores the step's K/V
+    write = (pid_m == 0) & (STORE == 1)   # (ROPE) one query tile of each (sequence, KV head) stores the step's K/V
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -223,9 +223,9 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O, Cos, Sin, Slots,
 
 
 @triton.jit
-def _tree_attn_merge(Acc, M, L, O, T, G, MT,
+def _tree_attn_merge(Acc, M, L, O, T, G, MT, QKV, Cos, Sin, Slots, KV, kv_stride_kv, qkv_row,
                      H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr,
-                     SPLITS_P2: tl.constexpr, GDC: tl.constexpr):
+                     SPLITS_P2: tl.constexpr, GDC: tl.constexpr, STORE: tl.constexpr):
     """One program per (sequence, KV head, query row): every split's partial result is loaded in
     one go (no loop of dependent loads: a merge is latency-bound, not bandwidth-bound)."""
     gdc_enter(GDC)
@@ -247,6 +247,14 @@ def _tree_attn_merge(Acc, M, L, O, T, G, MT,
     t = row // G
     g = row % G
     tl.store(O + ((b * T + t) * H_Q + h * G + g) * D + d, out.to(O.dtype.element_ty))
+    if STORE:   # (from_qkv) the first query head of the group writes its token's K/V into the cache
+        if g == 0:
+            tok = b * T + t + tl.arange(0, 1)
+            k = _rope_rows(QKV, tok, tok >= 0, (H_Q + h) * D, d, Cos, Sin, qkv_row, D)
+            v = tl.load(QKV + (tok * qkv_row + (H_Q + H_KV + h) * D)[:, None] + d[None, :])
+            dst = KV + (tl.load(Slots + tok) * H_KV + h)[:, None] * D + d[None, :]
+            tl.store(dst, k)
+            tl.store(dst + kv_stride_kv, v)
 
 
 class TritonPagedAttention:
@@ -269,9 +277,11 @@ class TritonPagedAttention:
                             # 6 query heads per KV head: 96 rows in 3 tiles, where 2 tiles of 64 compute 32 padding rows).
                             # Off: on the H200 (2026-12-03, docs/BENCHMARKS.md fourteenth session, replays round-robin)
                             # 1 x 16 -0.6 % (noise), 8 x 16 +5.6 %
-    ROPE_FROM_QKV = 1       # 1: where the QKV matmul does not rotate (fused.rope_in_matmul_fits), the model hands this
-                            # kernel the matmul's output (from_qkv): it rotates q and the step's keys as it loads them
-                            # and writes the step's K/V into the cache, so rope_store's launch goes
+    ROPE_FROM_QKV = 0       # 1, 2: where the QKV matmul does not rotate (fused.rope_in_matmul_fits), the model hands this
+                            # kernel the matmul's output (from_qkv): it rotates q and the step's keys as it loads them,
+                            # and the step's K/V are written into the cache by the split kernel's first query tile (1)
+                            # or by the merge (2), so rope_store's launch goes. 3: nobody writes (timing diagnostic).
+                            # Off: on the H200 (2026-12-04, docs/BENCHMARKS.md twenty-second session) 1 lost 2-12 %
     TREE_SPLIT = 0          # 1: one more split that takes the tree's (masked) keys alone, so that the context's
                             # programs run unmasked tiles only and the tree tile's unpipelined loads overlap them.
                             # Off: on the H200 (2026-12-02, docs/BENCHMARKS.md ninth session) steps were up to 4.6 %
@@ -363,16 +373,23 @@ class TritonPagedAttention:
         grid = (m_tiles, ns, B * Hkv) if self.M_FIRST else (B * Hkv, ns, m_tiles)
         gdc = pdl.launch_args(q.device, B * T)
         cos, sin, slots = rope if rope is not None else (q, q, q)   # (unused without ROPE)
+        # who writes the step's K/V (from_qkv): 1 the split kernel's first query tile, 2 the merge (3: nobody,
+        # a timing diagnostic only)
+        store = self.ROPE_FROM_QKV if rope is not None else 0
+        q_row = q.numel() // (B * T)
         _tree_attn_split[grid](
             q, cache, self.tables, self.ctx, self.bits, acc, m, l_, out, cos, sin, slots,
-            1.0 / math.sqrt(D), cache.stride(0), self.tables.shape[1], T, G, W, MT, q.numel() // (B * T),
+            1.0 / math.sqrt(D), cache.stride(0), self.tables.shape[1], T, G, W, MT, q_row,
             # (the interpreter's loop bound: a context split's tiles, or the tree's T keys in a split of their own)
             MAX_TILES=max(triton.cdiv(triton.cdiv(self.max_keys + T, block_n), max(1, ns - self.TREE_SPLIT)),
                           triton.cdiv(T, block_n) if self.TREE_SPLIT else 0) + 1 if INTERPRET else 0,
             INTERPRET=INTERPRET, H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=block_m, BLOCK_N=block_n,
             M_FIRST=bool(self.M_FIRST), TREE_SPLIT=bool(self.TREE_SPLIT), OFF32=cache.numel() < 2 ** 31,
-            ROPE=rope is not None, num_warps=self.NUM_WARPS, num_stages=stages, **gdc)
+            ROPE=rope is not None, STORE=store if ns > 1 else int(rope is not None and store < 3),
+            num_warps=self.NUM_WARPS, num_stages=stages, **gdc)
         if ns > 1:
-            _tree_attn_merge[(B * Hkv, MT)](acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns,
-                                           SPLITS_P2=triton.next_power_of_2(ns), num_warps=1, **gdc)
+            _tree_attn_merge[(B * Hkv, MT)](acc, m, l_, out, T, G, MT, q, cos, sin, slots, cache, cache.stride(0),
+                                           q_row, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns,
+                                           SPLITS_P2=triton.next_power_of_2(ns), num_warps=1, STORE=int(store == 2),
+                                           **gdc)
         return out

@@ -67,49 +67,6 @@ def test_triton_kernel_equals_reference(nsplit, m_first, T, tree_split, block_m,
         assert torch.allclose(out[b, :n], ref[b, :n], atol=1e-5), float((out[b, :n] - ref[b, :n]).abs().max())
 
 
-@pytest.mark.parametrize("nsplit,tree_split,T", [(1, 0, 20), (3, 0, 20), (4, 1, 70), (2, 0, 1)])
-def test_attention_from_qkv_equals_rope_store_then_attention(nsplit, tree_split, T):
-    """from_qkv (the kernel rotates q and the step's keys as it loads them from the QKV matmul's output and
-    writes the step's K/V into the cache) against fused.rope_store_torch then the torch reference: the same
-    output, the same cache afterwards (every slot, not only the step's), with key splits, the tree's keys in a
-    split of their own, a padding sequence of no context, and one-token steps."""
-    from edgespec.verifier.torch import fused
-
-    g = torch.Generator().manual_seed(10 + nsplit)
-    rng = np.random.default_rng(nsplit)
-    B, Hkv, G, D, bs, NB, n_blocks = 3, 2, 3, 32, 4, 32, 120
-    Hq = Hkv * G
-    ctx = torch.tensor([37, 0, 6])
-    sizes = [T, min(T, 7), min(T, 13)]
-    tables = torch.zeros(B, NB, dtype=torch.int64)
-    free = rng.permutation(np.arange(1, n_blocks))
-    for b in range(B):
-        need = -(-(int(ctx[b]) + T) // bs)
-        tables[b, :need] = torch.from_numpy(free[:need])
-        free = free[need:]
-    slots = torch.cat([tables[b, (int(ctx[b]) + torch.arange(T)) // bs] * bs + (int(ctx[b]) + torch.arange(T)) % bs
-                       for b in range(B)])
-    anc = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)
-    for b, n in enumerate(sizes):
-        parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
-        anc[b, :n, :n] = torch.from_numpy(ancestor_mask(parents))
-    qkv = torch.randn(B * T, (Hq + 2 * Hkv) * D, generator=g)
-    angles = torch.rand(B * T, D // 2, generator=g) * 6.3
-    cos, sin = angles.cos(), angles.sin()
-    cache = torch.randn(2, n_blocks * bs, Hkv, D, generator=g)
-    want_cache = cache.clone()
-    q = fused.rope_store_torch(qkv, cos, sin, want_cache, slots, Hq, Hkv).view(B, T, Hq, D)
-    want = TorchPagedAttention(tables, ctx, anc, bs, G)(q, want_cache)
-    for store in (1, 2):   # the split kernel or the merge writes the step's K/V
-        kernel = TritonPagedAttention(tables, ctx, anc, bs, G, nsplit=nsplit)
-        kernel.TREE_SPLIT, kernel.ROPE_FROM_QKV = tree_split, store
-        got_cache = cache.clone()
-        out = kernel.from_qkv(qkv, cos, sin, slots, got_cache, Hq)
-        assert torch.equal(got_cache, want_cache)
-        for b, n in enumerate(sizes):
-            assert torch.allclose(out[b, :n], want[b, :n], atol=1e-5), float((out[b, :n] - want[b, :n]).abs().max())
-
-
 def test_fitted_query_tiles_pad_fewer_rows():
     """M_TILE_FIT: 96 query rows (T = 16 at 6 query heads per KV head) in three 32-row tiles, not two
     64-row ones; 384 rows keep 64-row tiles, a handful of rows 16-row ones (the kernel on fitted tiles:

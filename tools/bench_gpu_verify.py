@@ -11,8 +11,7 @@ Sections (each prints a table; everything goes to --out as JSON):
    device decisions with CUDA graphs against accept_greedy on eager logits (tiny float32 model);
    compaction between graph steps; fused.GEMV_ROPE against the separate RoPE launch, tree_ops.move_rows
    against index_copy_, the kernel with TREE_SPLIT=1 against float64, steps with programmatic
-   dependent launch (pdl.PDL) against plain launches, bit for bit; RoPE and the cache writes in the
-   attention kernel (ROPE_FROM_QKV) against rope_store's launch (--checks);
+   dependent launch (pdl.PDL) against plain launches, bit for bit (--checks);
 3. attention: tree of 64 nodes, 64 query / 8 KV heads, d 128, bf16, paged (block 16): the Triton
    kernel, the torch reference (gather + masked SDPA), and SDPA with no mask over contiguous K/V
    (flash, cuDNN: less work than a tree kernel must do), against the roofline floor. Kernels are
@@ -799,12 +798,10 @@ def interleaved_replays(variants: list[tuple[str, Engine]], rows: list[dict], wa
 
 
 def attention_launch(engine: Engine, B: int, T: int, context: int) -> list[int] | None:
-    """The tree-attention kernel's (BLOCK_M, BLOCK_N, stages, splits, warps, whether it rotates and stores the
-    step's K/V itself) in a step of B trees of T nodes at `context`, with the knobs in effect (None for another
-    attention): tools/pick_knobs.py does not count a cell that an attention knob launches as the default does
-    (its difference there is the run's noise)."""
-    from edgespec.verifier.torch import fused
-
+    """The tree-attention kernel's (BLOCK_M, BLOCK_N, stages, splits, warps) in a step of B
+    trees of T nodes at `context`, with the knobs in effect (None for another attention): tools/pick_knobs.py
+    does not count a cell that an attention knob launches as the default does (its difference there is the
+    run's noise)."""
     cls = engine.attention_cls
     if cls.__name__ != "TritonPagedAttention":
         return None
@@ -812,11 +809,7 @@ def attention_launch(engine: Engine, B: int, T: int, context: int) -> list[int] 
     bs = engine.cache.block_size
     att = cls.__new__(cls)   # launch_config needs only the table width and a split count
     att.max_keys, att.nsplit = engine._table_blocks(-(-(context + T) // bs)) * bs, None
-    rows = bucket(B) * bucket(T)
-    rope_in_matmul = rows <= engine.model.small_rows_matmul and fused.rope_in_matmul_fits(
-        rows, engine.model.layers[0].wqkv.weight, c.head_dim)
-    return [*att.launch_config(bucket(B), bucket(T) * c.group, c.n_head_kv), cls.NUM_WARPS,
-            int(bool(cls.ROPE_FROM_QKV) and not rope_in_matmul)]
+    return [*att.launch_config(bucket(B), bucket(T) * c.group, c.n_head_kv), cls.NUM_WARPS]
 
 
 def bench_mixed(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dict]:
@@ -1184,7 +1177,7 @@ def main() -> int:
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--skip", default="",
                    help="comma-separated sections to skip: ceilings,checks,attention,matmuls,step,mixed,hf,capacity")
-    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope,rows_rope,move_rows,tree_split,pdl,l2_warm,rope_attn",
+    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope,rows_rope,move_rows,tree_split,pdl,l2_warm",
                    help="which checks the checks section runs")
     p.add_argument("--small-rows-matmul", default="",
                    help="step cells with these Engine small_rows_matmul values, comma-separated: off (0), on (64) "
@@ -1262,9 +1255,7 @@ def main() -> int:
                                "RoPE in the 16-row wqkv matmul vs its own launch"),
                               ("move_rows", check_move_rows, "the compaction copy kernel vs index_copy_"),
                               ("pdl", check_pdl, "programmatic dependent launch vs plain launches"),
-                              ("l2_warm", check_l2_warm, "the next weights warmed into L2 beside attention vs not"),
-                              ("rope_attn", lambda: same_steps_under([{"ROPE_FROM_QKV": v} for v in (0, 1, 2)]),
-                               "RoPE and the cache writes in the attention kernel vs rope_store's launch")):
+                              ("l2_warm", check_l2_warm, "the next weights warmed into L2 beside attention vs not")):
         if cuda and "checks" not in skip and name in checks:
             try:
                 result[f"{name}_check"] = check()

@@ -78,7 +78,9 @@ case $phase in
     # step graph (+7 to +29 % wherever it split), PDL for the non-matmul kernels alone (PDL_SMALL: 8 x 64 +22 %) and
     # past 64 rows for the kernels behind our own (PDL_CHAINS: 8 x 64 +2.1 %) removed; deeper L2 prefetch before the
     # PDL wait (PREFETCH_TILES=4, 16) lost at <= 16 rows; L2 warming up to 64 rows (L2_WARM_ROWS=64) -0.9 % at
-    # 1 x 64, once, not adopted. No candidate is pending: the
+    # 1 x 64, once, not adopted. The twenty-second session's: RoPE and the step's K/V cache writes inside the
+    # tree-attention kernel (ROPE_FROM_QKV; the split kernel or the merge writing) exact but 2-12 % slower, even
+    # with no cache write at all: removed. No candidate is pending: the
     # phase times the defaults; add a variant as 'triton,triton!KNOB=V' (with the pdl check for PDL or TRIGGER,
     # l2_warm for L2_WARM).
     EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,capacity,mixed,hf,matmuls \

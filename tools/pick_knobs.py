@@ -56,9 +56,6 @@ def check_passed(result: dict, knob: str, value: int) -> tuple[bool, str]:
         c = result.get("tree_split_check_rel_err") or {}
         ok = bool(c) and all(isinstance(v, float) and v < 1e-2 for v in c.values())
         return ok, f"tree_split_check_rel_err {c}"
-    if knob == "ROPE_FROM_QKV":   # the rotation's arithmetic is rope_store's: the same decisions, logits within rounding
-        c = result.get("rope_attn_check") or {}
-        return bool(c.get("same_decisions")) and c.get("max_logit_diff", 1.0) < 0.1, f"rope_attn_check {c}"
     if knob in ("PDL", "TRIGGER", "L2_WARM"):
         name = "l2_warm_check" if knob == "L2_WARM" else "pdl_check"
         c = result.get(name) or {}

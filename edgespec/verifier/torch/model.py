@@ -161,9 +161,7 @@ class Block(nn.Module):
 
 class Attention(Protocol):
     """q [B, T, Hq, D] (after RoPE), one layer's cache [2, S, Hkv, D] -> [B, T, Hq, D]. The step's
-    own K/V are already in the cache; the callable carries the step's block tables and tree mask.
-    An attention whose ROPE_FROM_QKV is set also offers from_qkv(qkv, cos, sin, slots, cache, n_head)
-    (triton_attention.py): RoPE and the cache writes done by the attention kernel itself."""
+    own K/V are already in the cache; the callable carries the step's block tables and tree mask."""
 
     def __call__(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor: ...
 
@@ -260,28 +258,22 @@ class TransformerLM(nn.Module):
         cos, sin = cos.reshape(rows, -1), sin.reshape(rows, -1)
         h, x = fused.add_rmsnorm(x, None, self.layers[0].attn_norm.weight, c.norm_eps)
         rope_in_matmul = use["wqkv"] and fused.rope_in_matmul_fits(rows, blk.wqkv.weight, c.head_dim)
-        rope_in_attention = not rope_in_matmul and bool(getattr(attend, "ROPE_FROM_QKV", 0))
         w2_parts = fused.w2_split_k(rows, blk.w2.weight.shape[1])   # w2's K slices where it runs on cuBLAS
         warm_lines = fused.l2_warm_lines(rows, blk.wo.weight, blk.w13.weight) if x.is_cuda else None
         warm = self._side_stream() if warm_lines is not None else None
         for i, layer in enumerate(self.layers):
-            q = qkv = None
             if rope_in_matmul:   # one launch: the matmul's epilogue rotates and writes the cache
                 q = fused.linear_rope_store(h, layer.wqkv.weight, layer.wqkv.bias, cos, sin, cache[i], slots,
                                             c.n_head, c.n_head_kv)
             else:
                 qkv = fused.linear_rows(h, layer.wqkv.weight, layer.wqkv.bias) if use["wqkv"] else layer.wqkv(h)
-                if not rope_in_attention:
-                    q = fused.rope_store(qkv, cos, sin, cache[i], slots, c.n_head, c.n_head_kv)
+                q = fused.rope_store(qkv, cos, sin, cache[i], slots, c.n_head, c.n_head_kv)
             if warm is not None:   # wo and gate/up into L2 beside the attention (fused.L2_WARM): reads weights only
                 warm.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(warm):
                     fused.warm_l2(layer.wo.weight)
                     fused.warm_l2(layer.w13.weight, warm_lines)
-            if q is None:   # the attention kernel rotates and writes the cache itself
-                att = attend.from_qkv(qkv, cos, sin, slots, cache[i], c.n_head).reshape(rows, -1)
-            else:
-                att = attend(q.view(B, T, c.n_head, c.head_dim), cache[i]).reshape(rows, -1)
+            att = attend(q.view(B, T, c.n_head, c.head_dim), cache[i]).reshape(rows, -1)
             out = fused.linear_rows_partials(att, layer.wo.weight) if use["wo"] else layer.wo(att)
             h, x = fused.add_rmsnorm(x, out, layer.ffn_norm.weight, c.norm_eps)   # partials: summed here
             if use["w13"]:   # SiLU*up as the gate/up matmul's epilogue

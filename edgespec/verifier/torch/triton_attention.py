@@ -62,51 +62,16 @@ def _tree_bits(Bits, b, t, row_ok, rel0, rel, in_tree, T, W, BLOCK_N: tl.constex
 
 
 @triton.jit
-def _rope_rows(X, rows, ok, col0, d, Cos, Sin, row_stride, D: tl.constexpr):
-    """[len(rows), D]: the D columns from col0 (per row or one for all) of X's rows, rotated by RoPE (NEOX:
-    the pairs d, d + D/2) in float32 and rounded to X's dtype, with the very arithmetic of fused.py's
-    rope_store: the values it would have written. Each half's partner is a second load, from L2."""
-    lo = (d < D // 2)[None, :]
-    base = X + (rows * row_stride + col0)[:, None]
-    x = tl.load(base + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    xp = tl.load(base + ((d + D // 2) % D)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    cs = rows[:, None] * (D // 2) + (d % (D // 2))[None, :]
-    c = tl.load(Cos + cs, mask=ok[:, None], other=0.0)
-    s = tl.load(Sin + cs, mask=ok[:, None], other=0.0)
-    return tl.where(lo, x * c - xp * s, x * c + xp * s).to(X.dtype.element_ty)
-
-
-@triton.jit
 def _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale, kv_stride_kv, T, W,
-          QKV, Cos, Sin, Slots, qkv_row, write,
-          H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-          MASKED: tl.constexpr, ROPE: tl.constexpr):
+          H_KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """One key tile of online softmax: keys j0..j0+BLOCK_N-1, in cache blocks `blk` (_blocks). Tiles
-    wholly inside the context (MASKED=False) need no mask at all: every key there is visible. ROPE: the
-    step's own keys (the tree) come from the QKV matmul's output, rotated here, not from the cache; with
-    `write` this program also stores them, and their values, into their cache slots."""
+    wholly inside the context (MASKED=False) need no mask at all: every key there is visible."""
     j = j0 + tl.arange(0, BLOCK_N)
     if MASKED:
         key_ok = j < end
     slot = blk * BS + j % BS
     k_ptr = KV + (slot * H_KV + h)[:, None] * D + d[None, :]
-    if MASKED and ROPE:
-        rel = j - ctx
-        in_tree = (rel >= 0) & (rel < T) & key_ok
-        cached = key_ok & (rel < 0)
-        k = tl.load(k_ptr, mask=cached[:, None], other=0.0)
-        v = tl.load(k_ptr + kv_stride_kv, mask=cached[:, None], other=0.0)
-        row = b * T + rel
-        k_new = _rope_rows(QKV, row, in_tree, (H_Q + h) * D, d, Cos, Sin, qkv_row, D)
-        v_new = tl.load(QKV + (row * qkv_row + (H_Q + H_KV + h) * D)[:, None] + d[None, :],
-                        mask=in_tree[:, None], other=0.0)
-        k = tl.where(in_tree[:, None], k_new, k)
-        v = tl.where(in_tree[:, None], v_new, v)
-        mine = in_tree & write
-        dst = KV + (tl.load(Slots + row, mask=mine, other=0) * H_KV + h)[:, None] * D + d[None, :]
-        tl.store(dst, k_new, mask=mine[:, None])
-        tl.store(dst + kv_stride_kv, v_new, mask=mine[:, None])
-    elif MASKED:
+    if MASKED:
         k = tl.load(k_ptr, mask=key_ok[:, None], other=0.0)
         v = tl.load(k_ptr + kv_stride_kv, mask=key_ok[:, None], other=0.0)
     else:
@@ -132,16 +97,12 @@ def _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_
 
 
 @triton.jit
-def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O, Cos, Sin, Slots,
-                     sm_scale, kv_stride_kv, n_tables, T, G, W, MT, q_row,
+def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
+                     sm_scale, kv_stride_kv, n_tables, T, G, W, MT,
                      MAX_TILES: tl.constexpr, INTERPRET: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr,
                      D: tl.constexpr, BS: tl.constexpr,
                      NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     M_FIRST: tl.constexpr, TREE_SPLIT: tl.constexpr, OFF32: tl.constexpr, GDC: tl.constexpr,
-                     ROPE: tl.constexpr, STORE: tl.constexpr):
-    """ROPE: Q is the QKV matmul's output [B*T, (H_Q + 2 H_KV) * D] (row stride q_row), not yet rotated: q and
-    the step's own keys are rotated as they load (_rope_rows, _tile), and the first query tile's programs
-    write the step's K/V into the cache slots Slots[B*T] (rope_store's job, one launch fewer)."""
+                     M_FIRST: tl.constexpr, TREE_SPLIT: tl.constexpr, OFF32: tl.constexpr, GDC: tl.constexpr):
     gdc_enter(GDC)
     if M_FIRST:   # the query tiles of one (sequence, KV head) side by side: they read the same K/V
         pid_m = tl.program_id(0)
@@ -168,11 +129,8 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O, Cos, Sin, Slots,
     t = rows // G
     g = rows % G
     d = tl.arange(0, D)
-    if ROPE:
-        q = _rope_rows(Q, b * T + t, row_ok, (h * G + g) * D, d, Cos, Sin, q_row, D)
-    else:
-        q = tl.load(Q + ((b * T + t) * q_row + (h * G + g) * D)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-    write = (pid_m == 0) & (STORE == 1)   # (ROPE) one query tile of each (sequence, KV head) stores the step's K/V
+    q_ptr = Q + ((b * T + t) * H_Q + h * G + g)[:, None] * D + d[None, :]
+    q = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -184,13 +142,11 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O, Cos, Sin, Slots,
             if j0 + BLOCK_N <= tl.minimum(end, ctx):  # a Python branch when interpreted
                 blk = _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, False, OFF32)
                 m_i, l_i, acc = _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale,
-                                      kv_stride_kv, T, W, Q, Cos, Sin, Slots, q_row, write, H_Q, H_KV, D, BS, BLOCK_N,
-                                      False, ROPE)
+                                      kv_stride_kv, T, W, H_KV, D, BS, BLOCK_N, False)
             else:
                 blk = _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, True, OFF32)
                 m_i, l_i, acc = _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale,
-                                      kv_stride_kv, T, W, Q, Cos, Sin, Slots, q_row, write, H_Q, H_KV, D, BS, BLOCK_N,
-                                      True, ROPE)
+                                      kv_stride_kv, T, W, H_KV, D, BS, BLOCK_N, True)
     else:
         # tiles wholly inside the context first (no masks), then the rest (context tail + tree)
         plain = tl.maximum(tl.minimum(end, ctx) - start, 0) // BLOCK_N
@@ -201,15 +157,13 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O, Cos, Sin, Slots,
             j0 = start + it * BLOCK_N
             ahead = _blocks(Tables, b, n_tables, j0 + BLOCK_N, end, BS, BLOCK_N, True, OFF32)
             m_i, l_i, acc = _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale,
-                                  kv_stride_kv, T, W, Q, Cos, Sin, Slots, q_row, write, H_Q, H_KV, D, BS, BLOCK_N,
-                                  False, ROPE)
+                                  kv_stride_kv, T, W, H_KV, D, BS, BLOCK_N, False)
             blk = ahead
         for it in range(plain, tl.cdiv(end - start, BLOCK_N)):
             j0 = start + it * BLOCK_N
             blk = _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, True, OFF32)
             m_i, l_i, acc = _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale,
-                                  kv_stride_kv, T, W, Q, Cos, Sin, Slots, q_row, write, H_Q, H_KV, D, BS, BLOCK_N,
-                                  True, ROPE)
+                                  kv_stride_kv, T, W, H_KV, D, BS, BLOCK_N, True)
     gdc_release(GDC)
     if NSPLIT == 1:   # one split: normalise and write the output here (no merge launch)
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -223,9 +177,9 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O, Cos, Sin, Slots,
 
 
 @triton.jit
-def _tree_attn_merge(Acc, M, L, O, T, G, MT, QKV, Cos, Sin, Slots, KV, kv_stride_kv, qkv_row,
+def _tree_attn_merge(Acc, M, L, O, T, G, MT,
                      H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr,
-                     SPLITS_P2: tl.constexpr, GDC: tl.constexpr, STORE: tl.constexpr):
+                     SPLITS_P2: tl.constexpr, GDC: tl.constexpr):
     """One program per (sequence, KV head, query row): every split's partial result is loaded in
     one go (no loop of dependent loads: a merge is latency-bound, not bandwidth-bound)."""
     gdc_enter(GDC)
@@ -247,14 +201,6 @@ def _tree_attn_merge(Acc, M, L, O, T, G, MT, QKV, Cos, Sin, Slots, KV, kv_stride
     t = row // G
     g = row % G
     tl.store(O + ((b * T + t) * H_Q + h * G + g) * D + d, out.to(O.dtype.element_ty))
-    if STORE:   # (from_qkv) the first query head of the group writes its token's K/V into the cache
-        if g == 0:
-            tok = b * T + t + tl.arange(0, 1)
-            k = _rope_rows(QKV, tok, tok >= 0, (H_Q + h) * D, d, Cos, Sin, qkv_row, D)
-            v = tl.load(QKV + (tok * qkv_row + (H_Q + H_KV + h) * D)[:, None] + d[None, :])
-            dst = KV + (tl.load(Slots + tok) * H_KV + h)[:, None] * D + d[None, :]
-            tl.store(dst, k)
-            tl.store(dst + kv_stride_kv, v)
 
 
 class TritonPagedAttention:
@@ -277,11 +223,6 @@ class TritonPagedAttention:
                             # 6 query heads per KV head: 96 rows in 3 tiles, where 2 tiles of 64 compute 32 padding rows).
                             # Off: on the H200 (2026-12-03, docs/BENCHMARKS.md fourteenth session, replays round-robin)
                             # 1 x 16 -0.6 % (noise), 8 x 16 +5.6 %
-    ROPE_FROM_QKV = 0       # 1, 2: where the QKV matmul does not rotate (fused.rope_in_matmul_fits), the model hands this
-                            # kernel the matmul's output (from_qkv): it rotates q and the step's keys as it loads them,
-                            # and the step's K/V are written into the cache by the split kernel's first query tile (1)
-                            # or by the merge (2), so rope_store's launch goes. 3: nobody writes (timing diagnostic).
-                            # Off: on the H200 (2026-12-04, docs/BENCHMARKS.md twenty-second session) 1 lost 2-12 %
     TREE_SPLIT = 0          # 1: one more split that takes the tree's (masked) keys alone, so that the context's
                             # programs run unmasked tiles only and the tree tile's unpipelined loads overlap them.
                             # Off: on the H200 (2026-12-02, docs/BENCHMARKS.md ninth session) steps were up to 4.6 %
@@ -343,28 +284,14 @@ class TritonPagedAttention:
         return block_m, block_n, stages, ns
 
     def __call__(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-        B, T, Hq, _ = q.shape
-        return self._launch(q.contiguous(), cache, B, T, Hq, None)
-
-    def from_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                 cache: torch.Tensor, n_head: int) -> torch.Tensor:
-        """fused.rope_store followed by this attention, in one launch fewer: qkv [B*T, (Hq + 2 Hkv) * D] is the
-        QKV matmul's output, cos/sin [B*T, D/2] float32, slots [B*T] where the step's K/V go. The kernel rotates
-        q and the step's keys as it loads them and writes the step's K/V into the cache (the first query
-        tile's programs); returns [B, T, Hq, D] as __call__ does."""
-        B = self.ctx.shape[0]
-        return self._launch(qkv.contiguous(), cache, B, qkv.shape[0] // B, n_head,
-                            (cos.contiguous(), sin.contiguous(), slots.contiguous()))
-
-    def _launch(self, q: torch.Tensor, cache: torch.Tensor, B: int, T: int, Hq: int,
-                rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """q: [B, T, Hq, D] rotated, or (rope = (cos, sin, slots)) the QKV matmul's output [B*T, ...]."""
-        Hkv, D = cache.shape[2], cache.shape[3]
+        B, T, Hq, D = q.shape
+        Hkv = cache.shape[2]
         G = Hq // Hkv
+        q = q.contiguous()
         MT = G * T
         block_m, block_n, stages, ns = self.launch_config(B, MT, Hkv)
         m_tiles = triton.cdiv(MT, block_m)
-        out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
+        out = torch.empty_like(q)
         parts = ns if ns > 1 else 0   # one split writes `out` itself
         acc = torch.empty(B * Hkv, parts, MT, D, dtype=torch.float32, device=q.device)
         m = torch.empty(B * Hkv, parts, MT, dtype=torch.float32, device=q.device)
@@ -372,24 +299,16 @@ class TritonPagedAttention:
         W = self.bits.shape[2]
         grid = (m_tiles, ns, B * Hkv) if self.M_FIRST else (B * Hkv, ns, m_tiles)
         gdc = pdl.launch_args(q.device, B * T)
-        cos, sin, slots = rope if rope is not None else (q, q, q)   # (unused without ROPE)
-        # who writes the step's K/V (from_qkv): 1 the split kernel's first query tile, 2 the merge (3: nobody,
-        # a timing diagnostic only)
-        store = self.ROPE_FROM_QKV if rope is not None else 0
-        q_row = q.numel() // (B * T)
         _tree_attn_split[grid](
-            q, cache, self.tables, self.ctx, self.bits, acc, m, l_, out, cos, sin, slots,
-            1.0 / math.sqrt(D), cache.stride(0), self.tables.shape[1], T, G, W, MT, q_row,
+            q, cache, self.tables, self.ctx, self.bits, acc, m, l_, out,
+            1.0 / math.sqrt(D), cache.stride(0), self.tables.shape[1], T, G, W, MT,
             # (the interpreter's loop bound: a context split's tiles, or the tree's T keys in a split of their own)
             MAX_TILES=max(triton.cdiv(triton.cdiv(self.max_keys + T, block_n), max(1, ns - self.TREE_SPLIT)),
                           triton.cdiv(T, block_n) if self.TREE_SPLIT else 0) + 1 if INTERPRET else 0,
             INTERPRET=INTERPRET, H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=block_m, BLOCK_N=block_n,
             M_FIRST=bool(self.M_FIRST), TREE_SPLIT=bool(self.TREE_SPLIT), OFF32=cache.numel() < 2 ** 31,
-            ROPE=rope is not None, STORE=store if ns > 1 else int(rope is not None and store < 3),
             num_warps=self.NUM_WARPS, num_stages=stages, **gdc)
         if ns > 1:
-            _tree_attn_merge[(B * Hkv, MT)](acc, m, l_, out, T, G, MT, q, cos, sin, slots, cache, cache.stride(0),
-                                           q_row, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns,
-                                           SPLITS_P2=triton.next_power_of_2(ns), num_warps=1, STORE=int(store == 2),
-                                           **gdc)
+            _tree_attn_merge[(B * Hkv, MT)](acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns,
+                                           SPLITS_P2=triton.next_power_of_2(ns), num_warps=1, **gdc)
         return out

@@ -1,0 +1,208 @@
+"""What a kernel boundary costs a weight stream, and whether one persistent kernel with grid barriers does better.
+
+The go/no-go measurement for the megakernel lead of issue 9 (docs/BENCHMARKS.md, "Where issue 9 stands"): at
+1 x 64 the verify step streams the weights through ~9 dependent kernels a layer, each paying a ramp and a tail.
+This script streams the same bytes (the Qwen2.5-1.5B block matrices, bf16, 28 layers: wqkv, wo, gate/up, down
+in that order, optionally with `--gaps` empty phases a layer standing for the norms, RoPE, attention and merge)
+in four ways, each captured in a CUDA graph and replayed:
+
+- `one`: a single kernel streams every byte (the ceiling: no boundary at all);
+- `kernels`: one kernel per phase, plain launches; `kernels_pdl`: the same with programmatic dependent launch
+  (the product's way, pdl.py), and `kernels_pdl_l2` asking L2 for each program's first tile before its wait;
+- `persistent`: one kernel of one program per SM, a grid barrier (an arrival counter) after every phase;
+  `persistent_pref`: the same, each program loading its first tile of the next weight phase into registers
+  before the barrier (what Triton can say; shared-memory staging across the barrier it cannot).
+
+Every program streams an equal share of a phase (tiles of BLOCK elements), sums it in float32 and stores the sum
+before the phase ends, so a phase's loads are complete at its end as a matmul's would be. The persistent kernel
+assumes all its programs are resident at once (one per SM, nothing else running): run it on an idle GPU only.
+
+    python3 tools/bench_phase_overlap.py --gaps 0,5 --out phase_overlap.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+from edgespec.verifier.torch.pdl import gdc_enter, prefetch_l2
+
+LAYER = {"wqkv": 2048 * 1536, "wo": 1536 * 1536, "w13": 17920 * 1536, "w2": 1536 * 8960}   # elements
+
+
+@triton.jit
+def _stream(W, base, n, p, NP, first, BLOCK: tl.constexpr):
+    """Program p's share of phase elements [base, base + n): tiles first.. of its contiguous run of tiles."""
+    per = tl.cdiv(tl.cdiv(n, BLOCK), NP)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(first, per):
+        idx = (p * per + i) * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(W + base + idx, mask=idx < n, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _phase_kernel(W, base, n, Out, slot, BLOCK: tl.constexpr, GDC: tl.constexpr, L2: tl.constexpr):
+    p = tl.program_id(0)
+    NP = tl.num_programs(0)
+    if L2:   # the first tile's 128-byte lines asked of L2 before the wait (the product's PREFETCH_TILES = 1)
+        per = tl.cdiv(tl.cdiv(n, BLOCK), NP)
+        at = p * per * BLOCK + tl.arange(0, BLOCK * 2 // 128) * 64
+        prefetch_l2(W + base, at, at < n, GDC)
+    gdc_enter(GDC)
+    acc = _stream(W, base, n, p, NP, 0, BLOCK)
+    tl.store(Out + slot * NP + p, tl.sum(acc))
+
+
+@triton.jit
+def _grid_barrier(Ctr, NP):
+    """All NP programs arrive before any leaves; the counter only grows, so graph replays need no reset."""
+    tl.debug_barrier()
+    arrive = tl.atomic_add(Ctr, 1)
+    target = (arrive // NP + 1) * NP
+    cur = tl.load(Ctr, volatile=True)
+    while cur < target:
+        cur = tl.load(Ctr, volatile=True)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _persistent_kernel(W, Bases, Sizes, Next, Out, Ctr, n_phases, BLOCK: tl.constexpr, PREF: tl.constexpr):
+    p = tl.program_id(0)
+    NP = tl.num_programs(0)
+    pre = tl.zeros([BLOCK], tl.float32)
+    pre_for = tl.load(Next + n_phases - 1)   # -1 (the last phase has no next one), as an int32 value
+    for ph in range(0, n_phases):
+        base = tl.load(Bases + ph)
+        n = tl.load(Sizes + ph)
+        mine = pre_for == ph
+        acc = _stream(W, base, n, p, NP, mine.to(tl.int32), BLOCK) + tl.where(mine, pre, 0.0)
+        tl.store(Out + ph * NP + p, tl.sum(acc))
+        if PREF:   # the next weight phase's first tile into registers, consumed after the barrier(s)
+            nxt = tl.load(Next + ph)
+            if (nxt >= 0) & (nxt != pre_for):
+                nb = tl.load(Bases + nxt)
+                nn = tl.load(Sizes + nxt)
+                idx = p * tl.cdiv(tl.cdiv(nn, BLOCK), NP) * BLOCK + tl.arange(0, BLOCK)
+                pre = tl.load(W + nb + idx, mask=idx < nn, other=0.0).to(tl.float32)
+                pre_for = nxt
+        _grid_barrier(Ctr, NP)
+
+
+def phases(layers: int, gaps: int) -> list[tuple[str, int]]:
+    """(name, elements) in stream order: each layer's four matrices, `gaps` empty phases after wqkv (RoPE,
+    attention, merge) and before gate/up (the norm), split as the step's kernels are."""
+    out = []
+    for _ in range(layers):
+        out.append(("wqkv", LAYER["wqkv"]))
+        out += [("gap", 0)] * max(0, gaps - 1)
+        out.append(("wo", LAYER["wo"]))
+        out += [("gap", 0)] * min(1, gaps)
+        out += [("w13", LAYER["w13"]), ("w2", LAYER["w2"])]
+    return out
+
+
+def timed(fn, iters: int) -> float:
+    """ms a replay of fn captured in a CUDA graph (median of iters single replays)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def run(gaps: int, args: argparse.Namespace, w: torch.Tensor, sms: int) -> dict:
+    plan = phases(args.layers, gaps)
+    sizes = [n for _, n in plan]
+    bases = [sum(sizes[:i]) for i in range(len(sizes))]
+    nxt, later = [-1] * len(plan), -1
+    for i in range(len(plan) - 1, -1, -1):
+        nxt[i] = later
+        if sizes[i]:
+            later = i
+    dev = w.device
+    t_bases, t_sizes, t_next = (torch.tensor(v, dtype=torch.int32, device=dev) for v in (bases, sizes, nxt))
+    out = torch.zeros(len(plan) * sms, dtype=torch.float32, device=dev)
+    ctr = torch.zeros(1, dtype=torch.int32, device=dev)
+    total = sum(sizes)
+    common = {"BLOCK": args.block, "num_warps": args.warps, "num_stages": args.stages}
+
+    def one():
+        _phase_kernel[(sms,)](w, 0, total, out, 0, GDC=False, L2=False, **common)
+
+    def kernels(pdl: bool, l2: bool):
+        def go():
+            for i, (b, n) in enumerate(zip(bases, sizes)):
+                extra = {"GDC": 1, "launch_pdl": True} if pdl else {"GDC": False}
+                _phase_kernel[(sms,)](w, b, n, out, i, L2=l2 and n > 0, **extra, **common)
+        return go
+
+    def persistent(pref: int):
+        def go():
+            _persistent_kernel[(sms,)](w, t_bases, t_sizes, t_next, out, ctr, len(plan), PREF=pref, **common)
+        return go
+
+    variants = {"one": one, "kernels": kernels(False, False), "kernels_pdl": kernels(True, False),
+                "kernels_pdl_l2": kernels(True, True), "persistent": persistent(0), "persistent_pref": persistent(1)}
+    want = torch.stack([w[b:b + n].double().sum() for b, n in zip(bases, sizes)])
+    res = {"gaps": gaps, "phases": len(plan), "bytes": total * w.element_size(), "ms": {}, "sums_ok": {}}
+    for name, fn in variants.items():
+        if name.startswith("persistent") and args.no_persistent:
+            continue
+        t0 = time.time()
+        try:
+            res["ms"][name] = timed(fn, args.iters)
+            # every byte summed once (the weights are positive: a skipped or doubled tile shows)
+            got = out.view(len(plan), sms).double().sum(1)
+            got, ref = (got[:1], want.sum()[None]) if name == "one" else (got, want)
+            res["sums_ok"][name] = bool(torch.allclose(got, ref, rtol=1e-4, atol=1.0))
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            res["ms"][name] = f"{type(exc).__name__}: {exc}"[:300]
+        print(f"[gaps {gaps}] {name}: {res['ms'][name]} ms, sums ok {res['sums_ok'].get(name)} "
+              f"({time.time() - t0:.1f} s)", flush=True)
+    res["tb_per_s"] = {k: res["bytes"] / (v * 1e-3) / 1e12 for k, v in res["ms"].items() if isinstance(v, float)}
+    return res
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--gaps", default="0,5", help="empty phases per layer, comma-separated runs")
+    p.add_argument("--block", type=int, default=16384, help="elements a program loads per tile (no cp.async pipelining here: one tile in flight per program)")
+    p.add_argument("--warps", type=int, default=8)
+    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--no-persistent", action="store_true", help="skip the grid-barrier kernels")
+    p.add_argument("--out")
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    total = sum(n for _, n in phases(args.layers, 0))   # the same bytes whatever the gaps
+    w = torch.rand(total + args.block, dtype=torch.bfloat16, device=dev)   # positive (the sums check)
+    result = {"device": torch.cuda.get_device_name(dev), "sms": sms, "triton": triton.__version__,
+              "torch": torch.__version__, "args": vars(args),
+              "runs": [run(int(g), args, w, sms) for g in args.gaps.split(",")]}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,7 +13,7 @@ in four ways, each captured in a CUDA graph and replayed:
   `persistent_pref`: the same, each program loading its first tile of the next weight phase into registers
   before the barrier (what Triton can say; shared-memory staging across the barrier it cannot).
 
-Every program streams an equal share of a phase (tiles of BLOCK elements), sums it in float32 and stores the sum
+Every program streams an equal share of a phase (in tiles of BLOCK elements), sums it in float32 and stores the sum
 before the phase ends, so a phase's loads are complete at its end as a matmul's would be. The persistent kernel
 assumes all its programs are resident at once (one per SM, nothing else running): run it on an idle GPU only.
 
@@ -35,13 +35,23 @@ LAYER = {"wqkv": 2048 * 1536, "wo": 1536 * 1536, "w13": 17920 * 1536, "w2": 1536
 
 
 @triton.jit
+def _share(n, p, NP):
+    """Program p's equal share [lo, hi) of a phase's n elements (64-element, 128-byte aligned bounds), as the
+    product's small-rows matmuls give every SM an equal share: no program idles while others finish."""
+    lines = n.to(tl.int64) // 64   # (in 64 bits: lines * NP passes 2**31 for the one-phase stream)
+    lo = (lines * p // NP) * 64
+    hi = tl.where(p == NP - 1, n.to(tl.int64), (lines * (p + 1) // NP) * 64)
+    return lo, hi
+
+
+@triton.jit
 def _stream(W, base, n, p, NP, first, BLOCK: tl.constexpr):
-    """Program p's share of phase elements [base, base + n): tiles first.. of its contiguous run of tiles."""
-    per = tl.cdiv(tl.cdiv(n, BLOCK), NP)
+    """Program p's share of phase elements [base, base + n), in tiles of BLOCK from tile `first` on."""
+    lo, hi = _share(n, p, NP)
     acc = tl.zeros([BLOCK], tl.float32)
-    for i in range(first, per):
-        idx = (p * per + i) * BLOCK + tl.arange(0, BLOCK)
-        acc += tl.load(W + base + idx, mask=idx < n, other=0.0).to(tl.float32)
+    for i in range(first, tl.cdiv(hi - lo, BLOCK)):
+        idx = lo + i * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(W + base + idx, mask=idx < hi, other=0.0).to(tl.float32)
     return acc
 
 
@@ -50,9 +60,9 @@ def _phase_kernel(W, base, n, Out, slot, BLOCK: tl.constexpr, GDC: tl.constexpr,
     p = tl.program_id(0)
     NP = tl.num_programs(0)
     if L2:   # the first tile's 128-byte lines asked of L2 before the wait (the product's PREFETCH_TILES = 1)
-        per = tl.cdiv(tl.cdiv(n, BLOCK), NP)
-        at = p * per * BLOCK + tl.arange(0, BLOCK * 2 // 128) * 64
-        prefetch_l2(W + base, at, at < n, GDC)
+        lo, hi = _share(n, p, NP)
+        at = lo + tl.arange(0, BLOCK * 2 // 128) * 64
+        prefetch_l2(W + base, at, at < hi, GDC)
     gdc_enter(GDC)
     acc = _stream(W, base, n, p, NP, 0, BLOCK)
     tl.store(Out + slot * NP + p, tl.sum(acc))
@@ -87,8 +97,9 @@ def _persistent_kernel(W, Bases, Sizes, Next, Out, Ctr, n_phases, BLOCK: tl.cons
             if (nxt >= 0) & (nxt != pre_for):
                 nb = tl.load(Bases + nxt)
                 nn = tl.load(Sizes + nxt)
-                idx = p * tl.cdiv(tl.cdiv(nn, BLOCK), NP) * BLOCK + tl.arange(0, BLOCK)
-                pre = tl.load(W + nb + idx, mask=idx < nn, other=0.0).to(tl.float32)
+                lo, hi = _share(nn, p, NP)
+                idx = lo + tl.arange(0, BLOCK)
+                pre = tl.load(W + nb + idx, mask=idx < hi, other=0.0).to(tl.float32)
                 pre_for = nxt
         _grid_barrier(Ctr, NP)
 

@@ -41,7 +41,7 @@ def _share(n, p, NP):
     lines = n.to(tl.int64) // 64   # (in 64 bits: lines * NP passes 2**31 for the one-phase stream)
     lo = (lines * p // NP) * 64
     hi = tl.where(p == NP - 1, n.to(tl.int64), (lines * (p + 1) // NP) * 64)
-    return lo, hi
+    return tl.multiple_of(lo, 64), tl.multiple_of(hi, 64)   # (every n is a multiple of 64: 16-byte vector loads)
 
 
 @triton.jit
@@ -87,16 +87,16 @@ def _persistent_kernel(W, Bases, Sizes, Next, Out, Ctr, n_phases, BLOCK: tl.cons
     pre = tl.zeros([BLOCK], tl.float32)
     pre_for = tl.load(Next + n_phases - 1)   # -1 (the last phase has no next one), as an int32 value
     for ph in range(0, n_phases):
-        base = tl.load(Bases + ph)
-        n = tl.load(Sizes + ph)
+        base = tl.multiple_of(tl.load(Bases + ph), 64)   # (every phase is whole 64-element lines)
+        n = tl.multiple_of(tl.load(Sizes + ph), 64)
         mine = pre_for == ph
         acc = _stream(W, base, n, p, NP, mine.to(tl.int32), BLOCK) + tl.where(mine, pre, 0.0)
         tl.store(Out + ph * NP + p, tl.sum(acc))
         if PREF:   # the next weight phase's first tile into registers, consumed after the barrier(s)
             nxt = tl.load(Next + ph)
             if (nxt >= 0) & (nxt != pre_for):
-                nb = tl.load(Bases + nxt)
-                nn = tl.load(Sizes + nxt)
+                nb = tl.multiple_of(tl.load(Bases + nxt), 64)
+                nn = tl.multiple_of(tl.load(Sizes + nxt), 64)
                 lo, hi = _share(nn, p, NP)
                 idx = lo + tl.arange(0, BLOCK)
                 pre = tl.load(W + nb + idx, mask=idx < hi, other=0.0).to(tl.float32)

@@ -798,7 +798,7 @@ def interleaved_replays(variants: list[tuple[str, Engine]], rows: list[dict], wa
 
 
 def attention_launch(engine: Engine, B: int, T: int, context: int) -> list[int] | None:
-    """The tree-attention kernel's (BLOCK_M, BLOCK_N, stages, splits, warps) in a step of B
+    """The tree-attention kernel's (BLOCK_M, BLOCK_N, stages, splits, warps, merge rows) in a step of B
     trees of T nodes at `context`, with the knobs in effect (None for another attention): tools/pick_knobs.py
     does not count a cell that an attention knob launches as the default does (its difference there is the
     run's noise)."""
@@ -809,7 +809,8 @@ def attention_launch(engine: Engine, B: int, T: int, context: int) -> list[int] 
     bs = engine.cache.block_size
     att = cls.__new__(cls)   # launch_config needs only the table width and a split count
     att.max_keys, att.nsplit = engine._table_blocks(-(-(context + T) // bs)) * bs, None
-    return [*att.launch_config(bucket(B), bucket(T) * c.group, c.n_head_kv), cls.NUM_WARPS]
+    launch = att.launch_config(bucket(B), bucket(T) * c.group, c.n_head_kv)
+    return [*launch, cls.NUM_WARPS, cls.MERGE_ROWS if launch[3] > 1 else 0]   # (no merge launch for one split)
 
 
 def bench_mixed(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dict]:

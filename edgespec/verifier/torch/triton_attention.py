@@ -179,28 +179,30 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
 @triton.jit
 def _tree_attn_merge(Acc, M, L, O, T, G, MT,
                      H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr,
-                     SPLITS_P2: tl.constexpr, GDC: tl.constexpr):
-    """One program per (sequence, KV head, query row): every split's partial result is loaded in
+                     SPLITS_P2: tl.constexpr, ROWS: tl.constexpr, GDC: tl.constexpr):
+    """One program per (sequence, KV head) and ROWS query rows: every split's partial result is loaded in
     one go (no loop of dependent loads: a merge is latency-bound, not bandwidth-bound)."""
     gdc_enter(GDC)
     pid_bh = tl.program_id(0)
-    row = tl.program_id(1)
+    row = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    row_ok = row < MT
     b = pid_bh // H_KV
     h = pid_bh % H_KV
     sp = tl.arange(0, SPLITS_P2)
-    sp_ok = sp < NSPLIT
+    ok = row_ok[:, None] & (sp < NSPLIT)[None, :]
     d = tl.arange(0, D)
-    base = (pid_bh * NSPLIT + sp) * MT + row
-    m = tl.load(M + base, mask=sp_ok, other=float("-inf"))
-    l_ = tl.load(L + base, mask=sp_ok, other=0.0)
-    acc = tl.load(Acc + base[:, None] * D + d[None, :], mask=sp_ok[:, None], other=0.0)
-    m_max = tl.max(m, 0)
+    base = (pid_bh * NSPLIT + sp)[None, :] * MT + row[:, None]                       # [ROWS, SPLITS]
+    m = tl.load(M + base, mask=ok, other=float("-inf"))
+    l_ = tl.load(L + base, mask=ok, other=0.0)
+    acc = tl.load(Acc + base[:, :, None] * D + d[None, None, :], mask=ok[:, :, None], other=0.0)   # [ROWS, SPLITS, D]
+    m_max = tl.max(m, 1)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_max)
-    out = tl.sum(w[:, None] * acc, 0) / tl.maximum(tl.sum(w * l_, 0), 1e-30)
+    w = tl.exp2(m - m_max[:, None])
+    out = tl.sum(w[:, :, None] * acc, 1) / tl.maximum(tl.sum(w * l_, 1), 1e-30)[:, None]
     t = row // G
     g = row % G
-    tl.store(O + ((b * T + t) * H_Q + h * G + g) * D + d, out.to(O.dtype.element_ty))
+    tl.store(O + ((b * T + t) * H_Q + h * G + g)[:, None] * D + d[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
 
 
 class TritonPagedAttention:
@@ -223,6 +225,8 @@ class TritonPagedAttention:
                             # 6 query heads per KV head: 96 rows in 3 tiles, where 2 tiles of 64 compute 32 padding rows).
                             # Off: on the H200 (2026-12-03, docs/BENCHMARKS.md fourteenth session, replays round-robin)
                             # 1 x 16 -0.6 % (noise), 8 x 16 +5.6 %
+    MERGE_ROWS = 1          # query rows a merge program takes (a power of two): at 8 x 64, 6 144 one-warp programs
+                            # a layer
     TREE_SPLIT = 0          # 1: one more split that takes the tree's (masked) keys alone, so that the context's
                             # programs run unmasked tiles only and the tree tile's unpipelined loads overlap them.
                             # Off: on the H200 (2026-12-02, docs/BENCHMARKS.md ninth session) steps were up to 4.6 %
@@ -309,6 +313,8 @@ class TritonPagedAttention:
             M_FIRST=bool(self.M_FIRST), TREE_SPLIT=bool(self.TREE_SPLIT), OFF32=cache.numel() < 2 ** 31,
             num_warps=self.NUM_WARPS, num_stages=stages, **gdc)
         if ns > 1:
-            _tree_attn_merge[(B * Hkv, MT)](acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns,
-                                           SPLITS_P2=triton.next_power_of_2(ns), num_warps=1, **gdc)
+            rows = self.MERGE_ROWS
+            _tree_attn_merge[(B * Hkv, triton.cdiv(MT, rows))](
+                acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns, SPLITS_P2=triton.next_power_of_2(ns),
+                ROWS=rows, num_warps=max(1, min(4, rows // 2)), **gdc)
         return out

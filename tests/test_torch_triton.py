@@ -62,7 +62,7 @@ def test_triton_kernel_equals_reference(nsplit, m_first, T, tree_split, block_m,
     kernel = TritonPagedAttention(tables, ctx, anc, bs, G, nsplit=nsplit)
     kernel.BLOCK_M, kernel.BLOCK_N = block_m, block_n
     kernel.M_FIRST, kernel.TREE_SPLIT, kernel.M_TILE_FIT = m_first, tree_split, int(block_m == 0)
-    kernel.MERGE_ROWS = merge_rows
+    kernel.MERGE_ROWS, kernel.MERGE_ROWS_FROM = merge_rows, 1
     if block_m == 0:
         assert kernel.launch_config(B, G * T, Hkv)[0] == 32
     out = kernel(q, cache)

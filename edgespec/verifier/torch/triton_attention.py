@@ -225,8 +225,12 @@ class TritonPagedAttention:
                             # 6 query heads per KV head: 96 rows in 3 tiles, where 2 tiles of 64 compute 32 padding rows).
                             # Off: on the H200 (2026-12-03, docs/BENCHMARKS.md fourteenth session, replays round-robin)
                             # 1 x 16 -0.6 % (noise), 8 x 16 +5.6 %
-    MERGE_ROWS = 1          # query rows a merge program takes (a power of two): at 8 x 64, 6 144 one-warp programs
-                            # a layer
+    MERGE_ROWS = 8          # query rows a merge program takes (a power of two) in steps of MERGE_ROWS_FROM token rows
+    MERGE_ROWS_FROM = 512   # or more (fewer: one row a program). At 8 x 64 one row a program is 6 144 one-warp
+                            # programs a layer. H200, 2026-12-04 (docs/BENCHMARKS.md twenty-second session), replays
+                            # round-robin: 8 rows at every row count made 8 x 64 1.4 % faster but 1 x 1 2.6 %, 4 x 1
+                            # 6.7 % and 1 x 64 0.6 % slower (a program holds SPLITS x ROWS partial rows: T = 1 has 32
+                            # splits)
     TREE_SPLIT = 0          # 1: one more split that takes the tree's (masked) keys alone, so that the context's
                             # programs run unmasked tiles only and the tree tile's unpipelined loads overlap them.
                             # Off: on the H200 (2026-12-02, docs/BENCHMARKS.md ninth session) steps were up to 4.6 %
@@ -313,7 +317,7 @@ class TritonPagedAttention:
             M_FIRST=bool(self.M_FIRST), TREE_SPLIT=bool(self.TREE_SPLIT), OFF32=cache.numel() < 2 ** 31,
             num_warps=self.NUM_WARPS, num_stages=stages, **gdc)
         if ns > 1:
-            rows = self.MERGE_ROWS
+            rows = self.MERGE_ROWS if B * T >= self.MERGE_ROWS_FROM else 1
             _tree_attn_merge[(B * Hkv, triton.cdiv(MT, rows))](
                 acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns, SPLITS_P2=triton.next_power_of_2(ns),
                 ROWS=rows, num_warps=max(1, min(4, rows // 2)), **gdc)

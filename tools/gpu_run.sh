@@ -80,7 +80,9 @@ case $phase in
     # PDL wait (PREFETCH_TILES=4, 16) lost at <= 16 rows; L2 warming up to 64 rows (L2_WARM_ROWS=64) -0.9 % at
     # 1 x 64, once, not adopted. The twenty-second session's: RoPE and the step's K/V cache writes inside the
     # tree-attention kernel (ROPE_FROM_QKV; the split kernel or the merge writing) exact but 2-12 % slower, even
-    # with no cache write at all: removed. No candidate is pending: the
+    # with no cache write at all: removed; the attention merge over 8 query rows a program from 512 token rows
+    # (MERGE_ROWS, MERGE_ROWS_FROM: 8 x 64 -0.9 / -1.4 %) adopted; one persistent kernel with grid barriers lost to
+    # PDL kernels (tools/bench_phase_overlap.py). No candidate is pending: the
     # phase times the defaults; add a variant as 'triton,triton!KNOB=V' (with the pdl check for PDL or TRIGGER,
     # l2_warm for L2_WARM).
     EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,capacity,mixed,hf,matmuls \

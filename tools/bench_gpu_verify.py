@@ -810,8 +810,7 @@ def attention_launch(engine: Engine, B: int, T: int, context: int) -> list[int] 
     att = cls.__new__(cls)   # launch_config needs only the table width and a split count
     att.max_keys, att.nsplit = engine._table_blocks(-(-(context + T) // bs)) * bs, None
     launch = att.launch_config(bucket(B), bucket(T) * c.group, c.n_head_kv)
-    merge_rows = (cls.MERGE_ROWS if bucket(B) * bucket(T) >= cls.MERGE_ROWS_FROM else 1) if launch[3] > 1 else 0
-    return [*launch, cls.NUM_WARPS, merge_rows]   # (0: one split, no merge launch)
+    return [*launch, cls.NUM_WARPS, cls.merge_rows(bucket(B) * bucket(T)) if launch[3] > 1 else 0]   # (0: no merge)
 
 
 def bench_mixed(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dict]:

@@ -284,6 +284,11 @@ class TritonPagedAttention:
         most = max(1, self.max_keys // (self.FEW_ROWS_SPLIT_KEYS if block_m <= 16 else self.MIN_SPLIT_KEYS))
         return int(max(1, min(want, most, 32)))
 
+    @classmethod
+    def merge_rows(cls, token_rows: int) -> int:
+        """Query rows a merge program takes in a step of `token_rows` (B * T) token rows (MERGE_ROWS)."""
+        return cls.MERGE_ROWS if token_rows >= cls.MERGE_ROWS_FROM else 1
+
     def launch_config(self, B: int, rows: int, h_kv: int) -> tuple[int, int, int, int]:
         """(BLOCK_M, BLOCK_N, stages, splits) for B sequences of `rows` query rows per KV head."""
         block_m = self.tile_config(rows, 0)[0]
@@ -317,7 +322,7 @@ class TritonPagedAttention:
             M_FIRST=bool(self.M_FIRST), TREE_SPLIT=bool(self.TREE_SPLIT), OFF32=cache.numel() < 2 ** 31,
             num_warps=self.NUM_WARPS, num_stages=stages, **gdc)
         if ns > 1:
-            rows = self.MERGE_ROWS if B * T >= self.MERGE_ROWS_FROM else 1
+            rows = self.merge_rows(B * T)
             _tree_attn_merge[(B * Hkv, triton.cdiv(MT, rows))](
                 acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns, SPLITS_P2=triton.next_power_of_2(ns),
                 ROWS=rows, num_warps=max(1, min(4, rows // 2)), **gdc)

@@ -194,3 +194,25 @@ def test_the_planner_gets_a_timed_draft_decode_while_the_verifier_prefills(smol_
     ref = target_only_greedy(smol_model, prompt, 12)
     for out in outs:
         assert_lossless(out + ([smol_model.eos] if len(out) < 12 else []), ref, "timed draft decode")
+
+
+def test_a_tree_says_how_many_committed_tokens_the_draft_prefilled_first(smol_model, prompt):
+    """Draft.catchup_tokens: the whole prompt into an empty cache; the bonus token alone after an accepted step
+    (adopt_branch kept the accepted path); a context that jumped ahead (turns the model sat out) its whole lag,
+    which catching_up() tells from an ordinary step. Pruning keeps the count."""
+    from edgespec.edge.planner import CATCHUP_TOKENS, catching_up
+
+    drafter = Drafter(smol_model, CONFIG)
+    try:
+        first = drafter.grow(prompt, TREE, GREEDY, 0)
+        assert first.catchup_tokens == len(prompt) and first.pruned(3).catchup_tokens == len(prompt)
+        kids = first.tree.children()[0]
+        drafter.accept(first, [kids[0]])
+        committed = [*prompt, int(first.tree.tokens[kids[0]]), 42]   # the accepted node, then the bonus token
+        second = drafter.grow(committed, TREE, GREEDY, 1)
+        assert second.catchup_tokens == 1 and not catching_up(second.catchup_tokens)
+        later = committed + prompt[: CATCHUP_TOKENS + 8]
+        third = drafter.grow(later, TREE, GREEDY, 2)
+        assert third.catchup_tokens == CATCHUP_TOKENS + 8 and catching_up(third.catchup_tokens)
+    finally:
+        drafter.close()

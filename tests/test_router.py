@@ -312,3 +312,30 @@ def test_routed_planner_stays_target_only_when_no_arm_may_draft(embedder, tmp_pa
     turn = routed.begin_turn(CODE[0], route=route, among=[])
     assert turn.arm is None
     assert all(routed.choose().budget == 0 and not routed.exploring for _ in range(2 * routed.explore_every))
+
+
+def test_a_catch_up_step_teaches_the_arm_its_acceptance_but_not_its_drafting_cost(embedder, tmp_path) -> None:
+    """A model arm's first tree after turns it sat out prefills the whole lag first (seconds on a CPU). That step's
+    acceptance is evidence; its time is not what the arm's decodes cost (router mode learned 894 ms a decode
+    from such steps on the 2-core box), so neither the arm nor the planner learns a cost from it."""
+    from edgespec.edge.router import RoutedPlanner
+
+    router = Router([ArmSpec("draft", 0.03)], embedder=embedder, state_path=tmp_path / "r.npz", save_every=0)
+    routed = RoutedPlanner(router)
+    route = router.route(CODE[0])
+
+    def step(draft_s: float, catchup: bool) -> StepObservation:
+        return StepObservation(nodes=4, draft_s=draft_s, draft_decodes=4, network_s=0.05, bytes_up=80,
+                               verify_s=0.01, queue_s=0.0, scores=np.full(4, 0.9), accepted=np.ones(4, bool),
+                               depths=np.arange(1, 5), shape="chain4", catchup=catchup)
+
+    routed.begin_turn(CODE[0], route=route)
+    routed.last_choice = routed.ladder.index(next(s for s in routed.ladder if s.label == "chain4"))
+    routed.observe(step(0.12, catchup=False))          # 30 ms a decode, as the prior says
+    arm = router.arms["draft"]
+    cost, planner_cost, steps = arm.per_decode_s, routed.draft_per_decode_s, arm.steps
+    routed.observe(step(3.0, catchup=True))            # 3 s: a prefill of the lagging context, then 4 decodes
+    assert arm.steps == steps + 1                      # its acceptance counted
+    assert arm.per_decode_s == cost and routed.draft_per_decode_s == planner_cost
+    routed.observe(step(3.0, catchup=False))           # the same time from drafting would raise both
+    assert arm.per_decode_s > cost and routed.draft_per_decode_s > planner_cost

@@ -26,7 +26,7 @@ from edgespec.common.acceptance import VerifyResult
 from edgespec.common.sampling import SamplingParams
 from edgespec.common.tree import TokenTree
 from edgespec.edge.drafting import Draft, Drafter, TreeShape
-from edgespec.edge.planner import Planner, StepObservation
+from edgespec.edge.planner import Planner, StepObservation, catching_up
 
 
 class Verifier(Protocol):
@@ -275,7 +275,8 @@ class Decoder:
                 nodes=len(draft.tree) - 1, draft_s=draft.seconds, draft_decodes=draft.decodes,
                 network_s=result.network_s, bytes_up=result.bytes_up, verify_s=result.compute_s,
                 queue_s=result.queue_s, scores=draft.scores[1:], accepted=accepted,
-                depths=draft.tree.depths[1:], shape=draft.shape, prepared=prepared, wall_s=answered - started))
+                depths=draft.tree.depths[1:], shape=draft.shape, prepared=prepared, wall_s=answered - started,
+                catchup=catching_up(draft.catchup_tokens)))
             if s.steps % SNAPSHOT_EVERY == 0:
                 self._publish_planner()
 

@@ -29,6 +29,7 @@ from edgespec.common.sampling import (
     quantize_draft,
     top_tokens,
 )
+from edgespec.common.tokens import common_prefix_length
 from edgespec.common.tree import TokenTree
 from edgespec.runtime.llama import ContextConfig, LlamaModel, TreeContext
 
@@ -93,6 +94,7 @@ class _Growth:
     decodes: int = 1
     next_seq: int = 1        # the first free KV sequence
     seconds: float = 0.0     # drafting time so far, over every call that grew it
+    catchup_tokens: int = 0  # committed tokens the KV cache lacked and the first call prefilled (Draft.catchup_tokens)
 
     def resumes(self, committed: list[int], shape: TreeShape, sampling: SamplingParams, step: int,
                 ctx: "DraftContext") -> bool:
@@ -139,6 +141,10 @@ class Draft:
     # False when a stop() cut growth short: Drafter.grow with the same arguments finishes the tree
     # (the decoder does so before sending a tree drafted ahead; see Drafter.grow).
     complete: bool = True
+    # Committed tokens the draft model's KV cache lacked and had to prefill before this tree: ~1 after an
+    # ordinary step (the bonus token), many after turns it sat out. Their time is in `seconds`, but it is
+    # not a cost of drafting this shape: the planner and the router do not learn drafting costs from it.
+    catchup_tokens: int = 0
 
     def order(self) -> list[int]:
         """Non-root nodes in the order pruning keeps them (see selection_order)."""
@@ -153,7 +159,7 @@ class Draft:
         tree = TokenTree(tokens=t.tokens[keep], parents=np.array([index.get(int(t.parents[i]), -1) for i in keep]),
                          q_tokens=t.q_tokens[keep], q_weights=t.q_weights[keep])
         return Draft(tree, [self.node_seq[i] for i in keep], self.scores[keep], self.seconds, self.decodes, self.shape,
-                     self.prefix_groups, self.complete)
+                     self.prefix_groups, self.complete, self.catchup_tokens)
 
 
 class DraftContext(Protocol):
@@ -229,16 +235,20 @@ class Drafter:
             self._unfinished = growth
         draft = self._as_draft(nodes, sampling.needs_q).pruned(shape.budget)
         draft.seconds, draft.decodes, draft.complete = growth.seconds, growth.decodes, complete
+        draft.catchup_tokens = growth.catchup_tokens
         return draft
 
     def _start(self, committed: list[int], shape: TreeShape, sampling: SamplingParams, step: int) -> "_Growth":
         """Sync the KV cache to `committed` and expand the root (depth 0: one decode)."""
         committed = list(committed)   # the caller's list may grow; the growth keeps what it was for
         self._committed = committed
+        cached = getattr(self.ctx, "tokens", None)   # (a context that does not say: no catch-up counted)
+        catchup = 0 if cached is None else len(committed) - min(common_prefix_length(cached, committed),
+                                                                 len(committed) - 1)
         root_logits = self.ctx.sync(committed)
         nodes = [_Node(token=committed[-1], parent=-1, depth=0, score=1.0, seq=0)]
         frontier = self._expand(nodes, 0, root_logits, shape, sampling, step)
-        return _Growth(committed, shape, sampling, step, nodes, frontier)
+        return _Growth(committed, shape, sampling, step, nodes, frontier, catchup_tokens=catchup)
 
     def accept(self, draft: Draft, path: list[int]) -> None:
         """Keep the KV of the longest decoded accepted prefix; the rest is re-ingested lazily."""

@@ -59,6 +59,16 @@ DEPTH_PRIOR = 4.0          # pseudo-observations pulling a depth's correction to
 WIDE_ROW_COST = 0.75
 REALIZED_WINDOW = 8        # realized tokens per rung: a running mean over about this many steps
 REQUEST_EVIDENCE = 4       # path nodes a request must have tried before its acceptance prices other shapes
+# A draft model that prefilled more committed tokens than this before drafting a tree was catching up (after turns
+# a router arm without it ran, or a resync), not drafting: that step's time would price every decode as a prefill
+# (router mode on the 2-core box learned 894 ms a decode after one, docs/BENCHMARKS.md), so costs skip it. An
+# ordinary step prefills the one bonus token; the deepest ladder shape's whole path is well under this.
+CATCHUP_TOKENS = 16
+
+
+def catching_up(catchup_tokens: int) -> bool:
+    """Whether a draft that prefilled `catchup_tokens` committed tokens first was catching up (CATCHUP_TOKENS)."""
+    return catchup_tokens > CATCHUP_TOKENS
 
 
 @dataclass
@@ -78,6 +88,8 @@ class StepObservation:
     shape: str = ""            # TreeShape.label it was drafted with; "" = the last choice
     prepared: bool = False     # the tree was drafted ahead, while the previous step was in flight
     wall_s: float = 0.0        # the step's wall time on the edge (at least draft + network + queue + verify)
+    catchup: bool = False      # the draft model first prefilled a context it lagged (catching_up): draft_s is
+                               # mostly that prefill, not what drafting the shape costs
 
 
 def tree_tokens(shape: TreeShape, a: float, a_sibling: float) -> float:
@@ -217,7 +229,8 @@ class Planner:
         # Credited to the rung the tree was drafted with: a pipelined decoder has already chosen (and
         # drafted) the next tree when this one is answered, so the last choice may be another rung.
         rung = self._rung(obs.shape)
-        if obs.draft_decodes and not obs.prepared:   # a prepared tree's drafting was hidden, its draft_s is not its cost
+        # a prepared tree's drafting was hidden, a catch-up's was mostly prefill: neither draft_s is the shape's cost
+        if obs.draft_decodes and not obs.prepared and not obs.catchup:
             per_decode = obs.draft_s / obs.draft_decodes
             if self.draft_calibrated:
                 self.draft_per_decode_s = 0.8 * self.draft_per_decode_s + 0.2 * per_decode

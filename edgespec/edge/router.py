@@ -406,7 +406,8 @@ class RoutedPlanner(Planner):
             return
         if obs.nodes > 0:
             depth = int(obs.depths.max()) if obs.depths is not None and obs.depths.size else obs.nodes
-            self.router.observe(self.turn, int(obs.accepted.sum()), depth, obs.draft_s, obs.draft_decodes)
+            cost = None if obs.catchup else obs.draft_s   # a catch-up's time is prefill, not this arm's drafting
+            self.router.observe(self.turn, int(obs.accepted.sum()), depth, cost, obs.draft_decodes)
         elif shape.budget > 0 and obs.draft_decodes == 0:
             # A tree was asked for and the arm proposed nothing (a lookup without a match): for the
             # arm that is a rejected first node, or its acceptance would count only the steps it matched.

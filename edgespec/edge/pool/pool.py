@@ -176,6 +176,7 @@ class DraftPool:
             parts.append((name, draft))
         expert_seconds = sum(d.seconds for _, d in parts) + load_seconds
         complete = all(d.complete for _, d in parts)
+        catchup = max((d.catchup_tokens for _, d in parts), default=0)   # a model expert that sat out turns
         parts = [p for p in parts if len(p[1].tree) > 1] or parts[:1]   # empty proposals: nothing to merge
         if len(parts) == 1:
             draft, origins = parts[0][1], [frozenset([parts[0][0]])] * len(parts[0][1].tree)
@@ -183,6 +184,7 @@ class DraftPool:
             merged = merge_drafts(parts, shape.budget)
             draft, origins = merged.draft, merged.origins
         draft.complete = complete   # unfinished: the decoder calls again to finish it (Drafter.grow)
+        draft.catchup_tokens = catchup
         if len(draft.tree) > 1 and complete:
             proposers = set().union(*origins[1:])
             self.merged_steps += len(proposers) > 1

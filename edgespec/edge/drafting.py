@@ -29,7 +29,6 @@ from edgespec.common.sampling import (
     quantize_draft,
     top_tokens,
 )
-from edgespec.common.tokens import common_prefix_length
 from edgespec.common.tree import TokenTree
 from edgespec.runtime.llama import ContextConfig, LlamaModel, TreeContext
 
@@ -242,9 +241,8 @@ class Drafter:
         """Sync the KV cache to `committed` and expand the root (depth 0: one decode)."""
         committed = list(committed)   # the caller's list may grow; the growth keeps what it was for
         self._committed = committed
-        cached = getattr(self.ctx, "tokens", None)   # (a context that does not say: no catch-up counted)
-        catchup = 0 if cached is None else len(committed) - min(common_prefix_length(cached, committed),
-                                                                 len(committed) - 1)
+        kept = getattr(self.ctx, "kept_prefix", None)   # (a context that does not say: no catch-up counted)
+        catchup = 0 if kept is None else len(committed) - kept(committed)
         root_logits = self.ctx.sync(committed)
         nodes = [_Node(token=committed[-1], parent=-1, depth=0, score=1.0, seq=0)]
         frontier = self._expand(nodes, 0, root_logits, shape, sampling, step)

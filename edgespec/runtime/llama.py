@@ -359,9 +359,14 @@ class TreeContext:
         """
         if not tokens:
             raise ValueError("cannot sync to an empty context")
-        common = min(common_prefix_length(self.tokens, tokens), len(tokens) - 1)  # always re-decode the last token to get its logits
+        common = self.kept_prefix(tokens)
         self.truncate(common)
         return self.ingest(tokens[common:])
+
+    def kept_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` sync(tokens) keeps from the cache; it decodes the rest. The last token is always
+        decoded again: its logits are what sync returns."""
+        return min(common_prefix_length(self.tokens, tokens), len(tokens) - 1)
 
     @_exclusive
     def truncate(self, n_keep: int) -> None:

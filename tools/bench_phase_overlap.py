@@ -23,13 +23,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 from edgespec.verifier.torch.pdl import gdc_enter, prefetch_l2
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu_verify import captured, cuda_ms  # noqa: E402 - the GPU benchmarks' graph timing
 
 LAYER = {"wqkv": 2048 * 1536, "wo": 1536 * 1536, "w13": 17920 * 1536, "w2": 1536 * 8960}   # elements
 
@@ -117,26 +122,6 @@ def phases(layers: int, gaps: int) -> list[tuple[str, int]]:
     return out
 
 
-def timed(fn, iters: int) -> float:
-    """ms a replay of fn captured in a CUDA graph (median of iters single replays)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
 def run(gaps: int, args: argparse.Namespace, w: torch.Tensor, sms: int) -> dict:
     plan = phases(args.layers, gaps)
     sizes = [n for _, n in plan]
@@ -177,7 +162,7 @@ def run(gaps: int, args: argparse.Namespace, w: torch.Tensor, sms: int) -> dict:
             continue
         t0 = time.time()
         try:
-            res["ms"][name] = timed(fn, args.iters)
+            res["ms"][name] = cuda_ms(captured([fn]).replay, 3, args.iters)   # median of single replays
             # every byte summed once (the weights are positive: a skipped or doubled tile shows)
             got = out.view(len(plan), sms).double().sum(1)
             got, ref = (got[:1], want.sum()[None]) if name == "one" else (got, want)

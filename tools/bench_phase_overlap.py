@@ -11,7 +11,11 @@ in four ways, each captured in a CUDA graph and replayed:
   (the product's way, pdl.py), and `kernels_pdl_l2` asking L2 for each program's first tile before its wait;
 - `persistent`: one kernel of one program per SM, a grid barrier (an arrival counter) after every phase;
   `persistent_pref`: the same, each program loading its first tile of the next weight phase into registers
-  before the barrier (what Triton can say; shared-memory staging across the barrier it cannot).
+  before the barrier (what Triton can say; shared-memory staging across the barrier it cannot);
+- `dataflow_S` (Gluon, sm_90+): the persistent kernel's phases and barriers, but each program's weight tiles come
+  through a ring of S shared-memory slots that a producer warp fills by TMA without waiting for any barrier: the
+  weights never depend on the previous phase, so HBM keeps streaming while the consumer warps wait. This is the
+  staging the megakernel lead needs, which Triton cannot say and Gluon can.
 
 Every program streams an equal share of a phase (in tiles of BLOCK elements), sums it in float32 and stores the sum
 before the phase ends, so a phase's loads are complete at its end as a matmul's would be. The persistent kernel
@@ -32,6 +36,14 @@ import triton
 import triton.language as tl
 
 from edgespec.verifier.torch.pdl import gdc_enter, prefetch_l2
+
+try:   # Gluon (Triton >= 3.5): explicit shared memory, TMA, mbarriers and warp specialization
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:   # pragma: no cover - an older Triton: the dataflow variants are skipped
+    gluon = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu_verify import captured, cuda_ms  # noqa: E402 - the GPU benchmarks' graph timing
@@ -109,6 +121,80 @@ def _persistent_kernel(W, Bases, Sizes, Next, Out, Ctr, n_phases, BLOCK: tl.cons
         _grid_barrier(Ctr, NP)
 
 
+DF_COLS = 128   # a dataflow tile is DF_ROWS x 128 elements of the weight stream viewed as [elements / 128, 128]
+
+if gluon is not None:
+    @gluon.jit
+    def _df_share(Tiles, ph, p, NP):
+        """Program p's equal share [lo, hi) of phase ph's tiles (whole tiles; shares differ by one at most)."""
+        n = gl.load(Tiles + ph)
+        return n * p // NP, n * (p + 1) // NP
+
+    @gluon.jit
+    def _df_producer(desc, ring, ready, empty, Tiles, Bases, n_phases, p, NP, TR: gl.constexpr, SLOTS: gl.constexpr):
+        """One warp: every phase's share of tiles into the ring by TMA, as fast as slots free up; it never waits
+        for a phase barrier (weights do not depend on the previous phase's result)."""
+        i = 0
+        for ph in range(n_phases):
+            lo, hi = _df_share(Tiles, ph, p, NP)
+            base = gl.load(Bases + ph)
+            for t in range(lo, hi):
+                s = i % SLOTS
+                mbarrier.wait(empty.index(s), ((i // SLOTS) & 1) ^ 1)   # (a fresh barrier passes parity 1)
+                mbarrier.expect(ready.index(s), desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc, [(base + t) * TR, 0], ready.index(s), ring.index(s))
+                i += 1
+
+    @gluon.jit
+    def _df_consumer(ring, ready, empty, Tiles, Out, Ctr, n_phases, p, NP, TR: gl.constexpr, COLS: gl.constexpr,
+                     SLOTS: gl.constexpr):
+        """The default warps: per phase, sum the program's tiles from the ring, store the sum, then the grid
+        barrier (the persistent kernel's counter) before the next phase."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        i = 0
+        for ph in range(n_phases):
+            lo, hi = _df_share(Tiles, ph, p, NP)
+            acc = gl.zeros([TR, COLS], gl.float32, layout)
+            for t in range(lo, hi):
+                s = i % SLOTS
+                mbarrier.wait(ready.index(s), (i // SLOTS) & 1)
+                acc += ring.index(s).load(layout).to(gl.float32)
+                mbarrier.arrive(empty.index(s), count=1)
+                i += 1
+            gl.store(Out + ph * NP + p, gl.sum(gl.sum(acc, 1), 0))
+            gl.thread_barrier()
+            arrive = gl.atomic_add(Ctr, 1, sem="acq_rel", scope="gpu")
+            if ph + 1 < n_phases:   # (the counter only grows: replays need no reset)
+                target = (arrive // NP + 1) * NP
+                cur = gl.load(Ctr, volatile=True)
+                while cur < target:
+                    cur = gl.load(Ctr, volatile=True)
+            gl.thread_barrier()
+
+    @gluon.jit
+    def _dataflow_kernel(desc, Tiles, Bases, Out, Ctr, n_phases, TR: gl.constexpr, COLS: gl.constexpr,
+                         SLOTS: gl.constexpr):
+        p = gl.program_id(0)
+        NP = gl.num_programs(0)
+        ring = gl.allocate_shared_memory(desc.dtype, [SLOTS, TR, COLS], desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(SLOTS):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        gl.warp_specialize([
+            (_df_consumer, (ring, ready, empty, Tiles, Out, Ctr, n_phases, p, NP, TR, COLS, SLOTS)),
+            (_df_producer, (desc, ring, ready, empty, Tiles, Bases, n_phases, p, NP, TR, SLOTS)),
+        ], [1], [24])
+
+
+def dataflow_descriptor(w: torch.Tensor, rows: int):
+    """The TMA descriptor of the stream w viewed as [elements / DF_COLS, DF_COLS] in tiles of rows x DF_COLS."""
+    view = w[: w.numel() // DF_COLS * DF_COLS].view(-1, DF_COLS)
+    layout = gl.NVMMASharedLayout.get_default_for([rows, DF_COLS], gl.bfloat16)
+    return TensorDescriptor.from_tensor(view, [rows, DF_COLS], layout)
+
+
 def phases(layers: int, gaps: int) -> list[tuple[str, int]]:
     """(name, elements) in stream order: each layer's four matrices, `gaps` empty phases after wqkv (RoPE,
     attention, merge) and before gate/up (the norm), split as the step's kernels are."""
@@ -153,12 +239,27 @@ def run(gaps: int, args: argparse.Namespace, w: torch.Tensor, sms: int) -> dict:
             _persistent_kernel[(sms,)](w, t_bases, t_sizes, t_next, out, ctr, len(plan), PREF=pref, **common)
         return go
 
+    def dataflow(slots: int):
+        tile = args.df_rows * DF_COLS
+        if any(n % tile for n in sizes):
+            raise ValueError(f"phases are not whole {args.df_rows} x {DF_COLS} tiles")
+        desc = dataflow_descriptor(w, args.df_rows)
+        t_tiles, t_tbase = (torch.tensor([v // tile for v in vals], dtype=torch.int32, device=dev)
+                            for vals in (sizes, bases))
+
+        def go():
+            _dataflow_kernel[(sms,)](desc, t_tiles, t_tbase, out, ctr, len(plan), TR=args.df_rows, COLS=DF_COLS,
+                                     SLOTS=slots, num_warps=4)
+        return go
+
     variants = {"one": one, "kernels": kernels(False, False), "kernels_pdl": kernels(True, False),
                 "kernels_pdl_l2": kernels(True, True), "persistent": persistent(0), "persistent_pref": persistent(1)}
+    if gluon is not None and torch.cuda.get_device_capability(dev)[0] >= 9:
+        variants.update({f"dataflow_{n}": dataflow(n) for n in map(int, args.df_slots.split(","))})
     want = torch.stack([w[b:b + n].double().sum() for b, n in zip(bases, sizes)])
     res = {"gaps": gaps, "phases": len(plan), "bytes": total * w.element_size(), "ms": {}, "sums_ok": {}}
     for name, fn in variants.items():
-        if name.startswith("persistent") and args.no_persistent:
+        if name.startswith(("persistent", "dataflow")) and args.no_persistent:
             continue
         t0 = time.time()
         try:
@@ -184,6 +285,8 @@ def main() -> int:
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-persistent", action="store_true", help="skip the grid-barrier kernels")
+    p.add_argument("--df-rows", type=int, default=32, help="rows of 128 elements in a dataflow tile (one TMA)")
+    p.add_argument("--df-slots", default="8,24", help="ring slots of the dataflow variants, comma-separated")
     p.add_argument("--out")
     args = p.parse_args()
     dev = torch.device("cuda")

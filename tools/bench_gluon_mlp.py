@@ -57,16 +57,23 @@ def main() -> int:
     p.add_argument("--rows", default="16,64")
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--slots-b", type=int, default=gluon_mlp.SLOTS_B)
+    p.add_argument("--configs", default=f"{gluon_mlp.B_COLS}x{gluon_mlp.K_SLICE}b{gluon_mlp.SLOTS_B}h{gluon_mlp.SLOTS_H}",
+                   help="B tile configs, comma-separated: B_COLSxK_SLICEbSLOTS_BhSLOTS_H (the first is checked)")
     p.add_argument("--out")
     args = p.parse_args()
-    gluon_mlp.SLOTS_B = args.slots_b
     dev = torch.device("cuda")
     torch.manual_seed(0)
     f, h = 8960, 1536
     weights = [((torch.randn(2 * f, h, device=dev) * 0.02).to(torch.bfloat16),
                 (torch.randn(h, f, device=dev) * 0.02).to(torch.bfloat16)) for _ in range(args.layers)]
-    mlps = [gluon_mlp.GluonMLP(a, b) for a, b in weights]
+    configs = {}
+    for c in args.configs.split(","):
+        b_cols, rest = c.split("x")
+        k_slice, rest = rest.split("b")
+        slots_b, slots_h = rest.split("h")
+        configs[c] = [gluon_mlp.GluonMLP(a, b, b_cols=int(b_cols), k_slice=int(k_slice), slots_b=int(slots_b),
+                                         slots_h=int(slots_h)) for a, b in weights]
+    mlps = next(iter(configs.values()))
     res: dict = {"device": torch.cuda.get_device_name(dev), "triton": triton.__version__, "torch": torch.__version__,
                  "args": vars(args), "checks": [], "ms": {}}
     t0 = time.time()
@@ -80,8 +87,9 @@ def main() -> int:
     w_bytes = sum(a.numel() * 2 + b.numel() * 2 for a, b in weights)
     for rows in map(int, args.rows.split(",")):
         x = (torch.randn(rows, h, device=dev) * 0.5).to(torch.bfloat16)
-        graphs = {"product": captured([lambda a=a, b=b: product(x, a, b) for a, b in weights]),
-                  "gluon": captured([lambda m=m: m(x) for m in mlps])}
+        graphs = {"product": captured([lambda a=a, b=b: product(x, a, b) for a, b in weights])}
+        for name, ms_ in configs.items():
+            graphs[f"gluon {name}"] = captured([lambda m=m: m(x) for m in ms_])
         ms = interleaved_ms([g.replay for g in graphs.values()], 3, args.iters)
         floor = w_bytes / (res["copy_tb_s"] * 1e12) * 1e3
         res["ms"][str(rows)] = {**dict(zip(graphs, ms)), "floor": floor}

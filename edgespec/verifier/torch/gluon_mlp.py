@@ -258,21 +258,24 @@ if gluon is not None:
 
 
 class GluonMLP:
-    """One layer's MLP for x [rows <= 64, H] bf16 as float32 partials [F / K_SLICE, rows, H] (add_rmsnorm's
-    residual input). Descriptors, the schedule and the flags are built once per weight pair."""
+    """One layer's MLP for x [rows <= 64, H] bf16 as float32 partials [F / k_slice, rows, H] (add_rmsnorm's
+    residual input). Descriptors, the schedule and the flags are built once per weight pair. b_cols, k_slice
+    and the ring depths are the B tiles' shape (benchmarks sweep them; shared memory must stay <= 227 KB)."""
 
     _state: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}   # (flags, epochs) per device
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, programs: int | None = None) -> None:
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, programs: int | None = None, *, b_cols: int = B_COLS,
+                 k_slice: int = K_SLICE, slots_b: int = SLOTS_B, slots_h: int = SLOTS_H) -> None:
         if gluon is None:
             raise RuntimeError("GluonMLP needs Triton with Gluon (>= 3.5)")
         two_f, h = w13.shape
         f = two_f // 2
         if w2.shape != (h, f) or w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16 \
-                or f % K_SLICE or K_SLICE % BLOCK_K or h % B_COLS or h % BLOCK_K:
+                or f % k_slice or k_slice % BLOCK_K or h % b_cols or h % BLOCK_K:
             raise ValueError(f"GluonMLP: w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} (bf16, F a multiple of "
-                             f"{K_SLICE}, H of {B_COLS})")
+                             f"{k_slice}, H of {b_cols})")
         self.f, self.h = f, h
+        self.b_cols, self.k_slice, self.slots_b, self.slots_h = b_cols, k_slice, slots_b, slots_h
         dev = w13.device
         self.programs = programs or fused._sms(dev)
         self.x_layout = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_K], gl.bfloat16)
@@ -281,13 +284,13 @@ class GluonMLP:
         desc = TensorDescriptor.from_tensor
         self.descs = (desc(w13[:f], [A_COLS, BLOCK_K], wide_l), desc(w13[f:], [A_COLS, BLOCK_K], wide_l),
                       desc(w13[:f], [A_TAIL, BLOCK_K], tail_l), desc(w13[f:], [A_TAIL, BLOCK_K], tail_l))
-        self.w2_d = desc(w2, [B_COLS, BLOCK_K], gl.NVMMASharedLayout.get_default_for([B_COLS, BLOCK_K], gl.bfloat16))
+        self.w2_d = desc(w2, [b_cols, BLOCK_K], gl.NVMMASharedLayout.get_default_for([b_cols, BLOCK_K], gl.bfloat16))
         self.n_wide, n_tail = a_tiles(f, self.programs)
         self.n_a = self.n_wide + n_tail
-        self.n_bc = h // B_COLS
-        self.slices = f // K_SLICE
+        self.n_bc = h // b_cols
+        self.slices = f // k_slice
         sched, count = schedule([4 * A_COLS * h] * self.n_wide + [4 * A_TAIL * h] * n_tail, self.n_bc, self.slices,
-                                2 * B_COLS * K_SLICE, self.programs)
+                                2 * b_cols * k_slice, self.programs)
         self.sched, self.count = sched.to(dev), count.to(dev)
         if dev not in self._state:
             self._state[dev] = (torch.zeros(4096, dtype=torch.int32, device=dev),
@@ -300,9 +303,9 @@ class GluonMLP:
     def constexprs(self) -> dict[str, int]:
         """The kernel's compile-time arguments."""
         return dict(N_A=self.n_a, N_WIDE=self.n_wide, N_BC=self.n_bc, K_TILES_A=self.h // BLOCK_K,
-                    K_TILES_B=K_SLICE // BLOCK_K, A_COLS=A_COLS, A_TAIL=A_TAIL, B_COLS=B_COLS, BLOCK_K=BLOCK_K,
-                    K_SLICE=K_SLICE, F=self.f, H=self.h, ROWS=ROWS, SLOTS_A=SLOTS_A, SLOTS_B=SLOTS_B,
-                    SLOTS_H=SLOTS_H, MOST=self.sched.shape[1])
+                    K_TILES_B=self.k_slice // BLOCK_K, A_COLS=A_COLS, A_TAIL=A_TAIL, B_COLS=self.b_cols,
+                    BLOCK_K=BLOCK_K, K_SLICE=self.k_slice, F=self.f, H=self.h, ROWS=ROWS, SLOTS_A=SLOTS_A,
+                    SLOTS_B=self.slots_b, SLOTS_H=self.slots_h, MOST=self.sched.shape[1])
 
     def arguments(self, x: torch.Tensor) -> tuple[tuple, torch.Tensor]:
         """(the kernel's runtime arguments, the partials they fill) for x."""

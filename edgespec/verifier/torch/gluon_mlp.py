@@ -33,7 +33,7 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
-                                                                  warpgroup_mma)
+                                                                  warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - no Triton, or one without Gluon: the fused Triton path serves
     gluon = None
@@ -142,14 +142,19 @@ if gluon is not None:
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, AC, 16])
         g = gl.zeros([ROWS, AC], gl.float32, acc_l)
         u = gl.zeros([ROWS, AC], gl.float32, acc_l)
-        for k in range(K_TILES_A):
+        prev = 0
+        for k in range(K_TILES_A):   # each step's two wgmmas run while the next step waits for its tiles
             s = ia % SLOTS_A
             mbarrier.wait(ready_a.index(s), (ia // SLOTS_A) & 1)
             xs = ring_x.index(s)
-            g = warpgroup_mma(xs, ring_a.index(2 * s).slice(0, AC).permute((1, 0)), g)
-            u = warpgroup_mma(xs, ring_a.index(2 * s + 1).slice(0, AC).permute((1, 0)), u)
-            mbarrier.arrive(empty_a.index(s), count=1)
+            g = warpgroup_mma(xs, ring_a.index(2 * s).slice(0, AC).permute((1, 0)), g, is_async=True)
+            u = warpgroup_mma(xs, ring_a.index(2 * s + 1).slice(0, AC).permute((1, 0)), u, is_async=True)
+            g, u = warpgroup_mma_wait(num_outstanding=2, deps=(g, u))   # the previous step's pair is done ...
+            mbarrier.arrive(empty_a.index(prev), count=1, pred=k > 0)    # ... so its slot is free
+            prev = s
             ia += 1
+        g, u = warpgroup_mma_wait(num_outstanding=0, deps=(g, u))
+        mbarrier.arrive(empty_a.index(prev), count=1)
         # SiLU*up of gate/up rounded to bf16 first (fused._silu_times' formula), rounded once more
         gf = g.to(gl.bfloat16).to(gl.float32)
         y = gf / (1.0 + gl.exp(-gf)) * u.to(gl.bfloat16).to(gl.float32)
@@ -205,20 +210,26 @@ if gluon is not None:
                                                            cache_modifier=".cg")
                     async_copy.commit_group()
                 acc = gl.zeros([ROWS, B_COLS], gl.float32, acc_b)
+                prev = 0
                 for k in range(K_TILES_B):
                     async_copy.wait_group(SLOTS_H - 2)   # tile k has landed (this thread's copies)
                     gl.thread_barrier()                  # ... and every thread's
                     fence_async_shared()                 # generic-proxy writes before the wgmma's async reads
                     s = ib % SLOTS_B
                     mbarrier.wait(ready_b.index(s), (ib // SLOTS_B) & 1)
-                    acc = warpgroup_mma(h_ring.index(k % SLOTS_H), ring_b.index(s).permute((1, 0)), acc)
-                    mbarrier.arrive(empty_b.index(s), count=1)
+                    acc = warpgroup_mma(h_ring.index(k % SLOTS_H), ring_b.index(s).permute((1, 0)), acc,
+                                        is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))   # step k - 1's wgmma is done ...
+                    mbarrier.arrive(empty_b.index(prev), count=1, pred=k > 0)   # ... its weight slot is free
+                    prev = s
                     ib += 1
-                    gl.thread_barrier()                  # every warp is past its wgmma: slot (k - 1) is free
+                    gl.thread_barrier()                  # ... and, in every warp, its activation slot (k - 1)
                     nxt = k + SLOTS_H - 1
                     async_copy.async_copy_global_to_shared(h_ring.index(nxt % SLOTS_H), h_ptr + nxt * BLOCK_K,
                                                            h_ok & (nxt < K_TILES_B), cache_modifier=".cg")
                     async_copy.commit_group()
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty_b.index(prev), count=1)
                 async_copy.wait_group(0)
                 gl.thread_barrier()
                 ro = gl.arange(0, ROWS, gl.SliceLayout(1, acc_b))

@@ -81,7 +81,7 @@ def test_mlp_kernel_compiles_with_wgmma_tma_and_flags(config):
     for needed in ("cp.async.bulk.tensor", "wgmma.mma_async", "mbarrier.try_wait", "cp.async.cg", "setmaxnreg"):
         assert needed in ptx, needed
     assert re.search(r"atom\.global\.gpu\.release\.exch", ptx)   # an A tile's flag, released at GPU scope
-    assert re.search(r"ld\.global\.gpu\.acquire", ptx)            # a B tile's wait on it, an acquiring load
+    assert re.search(r"(ld|atom)\.global\.gpu\.acquire", ptx)     # a B tile's wait on the flags, acquiring
 
 
 def test_mlp_schedule_runs_every_tile_once_a_before_b_and_balances_bytes():

@@ -185,12 +185,13 @@ if gluon is not None:
                   K_TILES_A: gl.constexpr, K_TILES_B: gl.constexpr, A_COLS: gl.constexpr, A_TAIL: gl.constexpr,
                   B_COLS: gl.constexpr, BLOCK_K: gl.constexpr, K_SLICE: gl.constexpr, F: gl.constexpr,
                   H: gl.constexpr, ROWS: gl.constexpr, SLOTS_A: gl.constexpr, SLOTS_B: gl.constexpr,
-                  SLOTS_H: gl.constexpr, MOST: gl.constexpr):
+                  SLOTS_H: gl.constexpr, MOST: gl.constexpr, FLAGS_P: gl.constexpr, WAIT: gl.constexpr):
         """One warpgroup: the tiles' wgmmas and epilogues; the only waits on other programs are a B tile's
         flags."""
         acc_b: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, B_COLS, 16])
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])   # a [64, 64] bf16 tile, 16-byte pieces
+        flag_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         epoch = gl.load(Epoch + p) + 1
         gl.store(Epoch + p, epoch)
         wide_cols: gl.constexpr = N_WIDE * A_COLS
@@ -212,9 +213,14 @@ if gluon is not None:
                 k1 = k0 + K_SLICE - 1
                 a_lo = gl.where(k0 < wide_cols, k0 // A_COLS, N_WIDE + (k0 - wide_cols) // A_TAIL)
                 a_hi = gl.where(k1 < wide_cols, k1 // A_COLS, N_WIDE + (k1 - wide_cols) // A_TAIL)
-                for a in range(a_lo, a_hi + 1):   # the A tiles that wrote the slice
-                    while gl.atomic_add(Flags + a, 0, sem="acquire", scope="gpu") < epoch:
-                        pass
+                # the A tiles that wrote the slice, all polled at once: one flag at a time cost an L2 round trip
+                # each (~1 us) even when every flag was already set
+                fa = a_lo + gl.arange(0, FLAGS_P, flag_l)
+                f_ok = fa <= a_hi
+                zero = gl.zeros([FLAGS_P], gl.int32, flag_l)
+                seen = gl.atomic_add(Flags + fa, zero, mask=f_ok, sem="acquire", scope="gpu")
+                while WAIT and gl.min(gl.where(f_ok, seen, epoch), 0) < epoch:
+                    seen = gl.atomic_add(Flags + fa, zero, mask=f_ok, sem="acquire", scope="gpu")
                 r = gl.arange(0, ROWS, gl.SliceLayout(1, ld))
                 cc = gl.max_contiguous(gl.multiple_of(gl.arange(0, BLOCK_K, gl.SliceLayout(0, ld)), BLOCK_K), BLOCK_K)
                 h_ptr = Act + r[:, None] * F + (k0 + cc)[None, :]
@@ -256,7 +262,7 @@ if gluon is not None:
                     K_TILES_B: gl.constexpr, A_COLS: gl.constexpr, A_TAIL: gl.constexpr, B_COLS: gl.constexpr,
                     BLOCK_K: gl.constexpr, K_SLICE: gl.constexpr, F: gl.constexpr, H: gl.constexpr,
                     ROWS: gl.constexpr, SLOTS_A: gl.constexpr, SLOTS_B: gl.constexpr, SLOTS_H: gl.constexpr,
-                    MOST: gl.constexpr):
+                    MOST: gl.constexpr, FLAGS_P: gl.constexpr, WAIT: gl.constexpr):
         p = gl.program_id(0)
         ring_a = gl.allocate_shared_memory(gl.bfloat16, [2 * SLOTS_A, A_COLS, BLOCK_K], gate_d.layout)  # gate 2s, up 2s+1
         ring_x = gl.allocate_shared_memory(gl.bfloat16, [SLOTS_A, ROWS, BLOCK_K], x_d.layout)
@@ -275,7 +281,7 @@ if gluon is not None:
         gl.warp_specialize([
             (_consumer, (ring_a, ring_x, ready_a, empty_a, ring_b, ready_b, empty_b, h_ring, Act, Out, Flags, Epoch,
                          Sched, Count, p, rows, N_A, N_WIDE, N_BC, K_TILES_A, K_TILES_B, A_COLS, A_TAIL, B_COLS,
-                         BLOCK_K, K_SLICE, F, H, ROWS, SLOTS_A, SLOTS_B, SLOTS_H, MOST)),
+                         BLOCK_K, K_SLICE, F, H, ROWS, SLOTS_A, SLOTS_B, SLOTS_H, MOST, FLAGS_P, WAIT)),
             (_producer, (gate_d, up_d, gate_tail_d, up_tail_d, x_d, w2_d, ring_a, ring_x, ready_a, empty_a, ring_b,
                          ready_b, empty_b, Sched, Count, p, N_A, N_WIDE, N_BC, K_TILES_A, K_TILES_B, A_COLS, A_TAIL,
                          B_COLS, BLOCK_K, K_SLICE, SLOTS_A, SLOTS_B, MOST)),
@@ -290,7 +296,7 @@ class GluonMLP:
     _state: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}   # (flags, epochs) per device
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, programs: int | None = None, *, b_cols: int = B_COLS,
-                 k_slice: int = K_SLICE, slots_b: int = SLOTS_B, slots_h: int = SLOTS_H) -> None:
+                 k_slice: int = K_SLICE, slots_b: int = SLOTS_B, slots_h: int = SLOTS_H, wait: bool = True) -> None:
         if gluon is None:
             raise RuntimeError("GluonMLP needs Triton with Gluon (>= 3.5)")
         two_f, h = w13.shape
@@ -301,6 +307,7 @@ class GluonMLP:
                              f"{k_slice}, H of {b_cols})")
         self.f, self.h = f, h
         self.b_cols, self.k_slice, self.slots_b, self.slots_h = b_cols, k_slice, slots_b, slots_h
+        self.wait = wait   # False: B tiles skip their flags (wrong results; the benchmark's measure of the waits)
         dev = w13.device
         self.programs = programs or fused._sms(dev)
         self.x_layout = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_K], gl.bfloat16)
@@ -330,7 +337,9 @@ class GluonMLP:
         return dict(N_A=self.n_a, N_WIDE=self.n_wide, N_BC=self.n_bc, K_TILES_A=self.h // BLOCK_K,
                     K_TILES_B=self.k_slice // BLOCK_K, A_COLS=A_COLS, A_TAIL=A_TAIL, B_COLS=self.b_cols,
                     BLOCK_K=BLOCK_K, K_SLICE=self.k_slice, F=self.f, H=self.h, ROWS=ROWS, SLOTS_A=SLOTS_A,
-                    SLOTS_B=self.slots_b, SLOTS_H=self.slots_h, MOST=self.sched.shape[1])
+                    SLOTS_B=self.slots_b, SLOTS_H=self.slots_h, MOST=self.sched.shape[1],
+                    FLAGS_P=max(32, triton.next_power_of_2(self.k_slice // A_TAIL + 2)),   # a slice's A tiles
+                    WAIT=self.wait)
 
     def arguments(self, x: torch.Tensor) -> tuple[tuple, torch.Tensor]:
         """(the kernel's runtime arguments, the partials they fill) for x."""
@@ -384,7 +393,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--configs", default=f"{B_COLS}x{K_SLICE}b{SLOTS_B}h{SLOTS_H}",
-                   help="B tile configs, comma-separated: B_COLSxK_SLICEbSLOTS_BhSLOTS_H (the first is checked)")
+                   help="B tile configs, comma-separated: B_COLSxK_SLICEbSLOTS_BhSLOTS_H[!nowait] (the first is "
+                        "checked; !nowait: B tiles skip their flags, timing only)")
     p.add_argument("--out")
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -396,9 +406,10 @@ def main() -> int:
     for c in args.configs.split(","):
         b_cols, rest = c.split("x")
         k_slice, rest = rest.split("b")
-        slots_b, slots_h = rest.split("h")
+        slots_b, rest = rest.split("h")
+        slots_h, _, flag = rest.partition("!")
         configs[c] = [GluonMLP(a, b, b_cols=int(b_cols), k_slice=int(k_slice), slots_b=int(slots_b),
-                                         slots_h=int(slots_h)) for a, b in weights]
+                               slots_h=int(slots_h), wait=flag != "nowait") for a, b in weights]
     mlps = next(iter(configs.values()))
     res: dict = {"device": torch.cuda.get_device_name(dev), "triton": triton.__version__, "torch": torch.__version__,
                  "args": vars(args), "checks": [], "ms": {}}

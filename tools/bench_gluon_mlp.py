@@ -218,9 +218,10 @@ if gluon is not None:
                 fa = a_lo + gl.arange(0, FLAGS_P, flag_l)
                 f_ok = fa <= a_hi
                 zero = gl.zeros([FLAGS_P], gl.int32, flag_l)
-                seen = gl.atomic_add(Flags + fa, zero, mask=f_ok, sem="acquire", scope="gpu")
-                while WAIT and gl.min(gl.where(f_ok, seen, epoch), 0) < epoch:
+                if WAIT:
                     seen = gl.atomic_add(Flags + fa, zero, mask=f_ok, sem="acquire", scope="gpu")
+                    while gl.min(gl.where(f_ok, seen, epoch), 0) < epoch:
+                        seen = gl.atomic_add(Flags + fa, zero, mask=f_ok, sem="acquire", scope="gpu")
                 r = gl.arange(0, ROWS, gl.SliceLayout(1, ld))
                 cc = gl.max_contiguous(gl.multiple_of(gl.arange(0, BLOCK_K, gl.SliceLayout(0, ld)), BLOCK_K), BLOCK_K)
                 h_ptr = Act + r[:, None] * F + (k0 + cc)[None, :]

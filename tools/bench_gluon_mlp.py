@@ -297,7 +297,8 @@ class GluonMLP:
     _state: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}   # (flags, epochs) per device
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, programs: int | None = None, *, b_cols: int = B_COLS,
-                 k_slice: int = K_SLICE, slots_b: int = SLOTS_B, slots_h: int = SLOTS_H, wait: bool = True) -> None:
+                 k_slice: int = K_SLICE, slots_b: int = SLOTS_B, slots_h: int = SLOTS_H, wait: bool = True,
+                 only: str = "") -> None:
         if gluon is None:
             raise RuntimeError("GluonMLP needs Triton with Gluon (>= 3.5)")
         two_f, h = w13.shape
@@ -308,7 +309,7 @@ class GluonMLP:
                              f"{k_slice}, H of {b_cols})")
         self.f, self.h = f, h
         self.b_cols, self.k_slice, self.slots_b, self.slots_h = b_cols, k_slice, slots_b, slots_h
-        self.wait = wait   # False: B tiles skip their flags (wrong results; the benchmark's measure of the waits)
+        self.wait = wait and only != "b"   # False: B tiles skip their flags (wrong results; timing only)
         dev = w13.device
         self.programs = programs or fused._sms(dev)
         self.x_layout = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_K], gl.bfloat16)
@@ -324,6 +325,13 @@ class GluonMLP:
         self.slices = f // k_slice
         sched, count = schedule([4 * A_COLS * h] * self.n_wide + [4 * A_TAIL * h] * n_tail, self.n_bc, self.slices,
                                 2 * b_cols * k_slice, self.programs)
+        if only:   # the benchmark's timing of one phase alone: the other phase's tiles left out of every list
+            keep = [[t for t in sched[p, :count[p]].tolist() if (t < self.n_a) == (only == "a")]
+                    for p in range(self.programs)]
+            sched = torch.full((self.programs, max(1, max(map(len, keep)))), -1, dtype=torch.int32)
+            for p, t in enumerate(keep):
+                sched[p, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            count = torch.tensor([len(t) for t in keep], dtype=torch.int32)
         self.sched, self.count = sched.to(dev), count.to(dev)
         if dev not in self._state:
             self._state[dev] = (torch.zeros(4096, dtype=torch.int32, device=dev),
@@ -395,7 +403,7 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--configs", default=f"{B_COLS}x{K_SLICE}b{SLOTS_B}h{SLOTS_H}",
                    help="B tile configs, comma-separated: B_COLSxK_SLICEbSLOTS_BhSLOTS_H[!nowait] (the first is "
-                        "checked; !nowait: B tiles skip their flags, timing only)")
+                        "checked; !nowait: B tiles skip their flags; !a, !b: one phase's tiles alone; timing only)")
     p.add_argument("--out")
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -410,7 +418,8 @@ def main() -> int:
         slots_b, rest = rest.split("h")
         slots_h, _, flag = rest.partition("!")
         configs[c] = [GluonMLP(a, b, b_cols=int(b_cols), k_slice=int(k_slice), slots_b=int(slots_b),
-                               slots_h=int(slots_h), wait=flag != "nowait") for a, b in weights]
+                               slots_h=int(slots_h), wait=flag != "nowait", only=flag[:1] if flag in ("a", "b") else "")
+                      for a, b in weights]
     mlps = next(iter(configs.values()))
     res: dict = {"device": torch.cuda.get_device_name(dev), "triton": triton.__version__, "torch": torch.__version__,
                  "args": vars(args), "checks": [], "ms": {}}
@@ -425,7 +434,10 @@ def main() -> int:
     w_bytes = sum(a.numel() * 2 + b.numel() * 2 for a, b in weights)
     for rows in map(int, args.rows.split(",")):
         x = (torch.randn(rows, h, device=dev) * 0.5).to(torch.bfloat16)
-        graphs = {"product": captured([lambda a=a, b=b: product(x, a, b) for a, b in weights])}
+        act = fused.linear_silu(x, weights[0][0])
+        graphs = {"product": captured([lambda a=a, b=b: product(x, a, b) for a, b in weights]),
+                  "product gate/up": captured([lambda a=a: fused.linear_silu(x, a) for a, _ in weights]),
+                  "product down": captured([lambda b=b: fused.linear_rows_partials(act, b) for _, b in weights])}
         for name, ms_ in configs.items():
             graphs[f"gluon {name}"] = captured([lambda m=m: m(x) for m in ms_])
         ms = interleaved_ms([g.replay for g in graphs.values()], 3, args.iters)

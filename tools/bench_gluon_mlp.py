@@ -413,12 +413,12 @@ def main() -> int:
                 (torch.randn(h, f, device=dev) * 0.02).to(torch.bfloat16)) for _ in range(args.layers)]
     configs = {}
     for c in args.configs.split(","):
-        b_cols, rest = c.split("x")
+        shape, _, flag = c.partition("!")
+        b_cols, rest = shape.split("x")
         k_slice, rest = rest.split("b")
-        slots_b, rest = rest.split("h")
-        slots_h, _, flag = rest.partition("!")
+        slots_b, slots_h = rest.split("h")
         configs[c] = [GluonMLP(a, b, b_cols=int(b_cols), k_slice=int(k_slice), slots_b=int(slots_b),
-                               slots_h=int(slots_h), wait=flag != "nowait", only=flag[:1] if flag in ("a", "b") else "")
+                               slots_h=int(slots_h), wait=flag != "nowait", only=flag if flag in ("a", "b") else "")
                       for a, b in weights]
     mlps = next(iter(configs.values()))
     res: dict = {"device": torch.cuda.get_device_name(dev), "triton": triton.__version__, "torch": torch.__version__,

@@ -72,14 +72,15 @@ def mlp_partials_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, k_s
     return torch.stack([act[:, s:s + k_slice] @ w2[:, s:s + k_slice].float().t() for s in range(0, f, k_slice)])
 
 
-def a_tiles(f: int, programs: int) -> tuple[int, int]:
+def a_tiles(f: int, programs: int, tail: int = 0) -> tuple[int, int]:
     """(wide, tail): A tiles of A_COLS columns, at most one a program, then A_TAIL-column tiles for the rest of
     the F columns (TMA boxes and wgmma widths are powers of two; 8960 = 132 x 64 + 16 x 32 on an H200)."""
     wide = min(f // A_COLS, programs)
     rest = f - wide * A_COLS
-    if rest % A_TAIL:
-        raise ValueError(f"GluonMLP: F = {f} is not {wide} x {A_COLS} + a multiple of {A_TAIL}")
-    return wide, rest // A_TAIL
+    tail = tail or A_TAIL
+    if rest % tail:
+        raise ValueError(f"GluonMLP: F = {f} is not {wide} x {A_COLS} + a multiple of {tail}")
+    return wide, rest // tail
 
 
 def schedule(a_bytes: list[int], n_b_cols: int, n_slices: int, b_bytes: int, programs: int
@@ -298,7 +299,7 @@ class GluonMLP:
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, programs: int | None = None, *, b_cols: int = B_COLS,
                  k_slice: int = K_SLICE, slots_b: int = SLOTS_B, slots_h: int = SLOTS_H, wait: bool = True,
-                 only: str = "") -> None:
+                 only: str = "", a_tail: int = A_TAIL) -> None:
         if gluon is None:
             raise RuntimeError("GluonMLP needs Triton with Gluon (>= 3.5)")
         two_f, h = w13.shape
@@ -314,16 +315,17 @@ class GluonMLP:
         self.programs = programs or fused._sms(dev)
         self.x_layout = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_K], gl.bfloat16)
         wide_l = gl.NVMMASharedLayout.get_default_for([A_COLS, BLOCK_K], gl.bfloat16)
-        tail_l = gl.NVMMASharedLayout.get_default_for([A_TAIL, BLOCK_K], gl.bfloat16)
+        self.a_tail = a_tail
+        tail_l = gl.NVMMASharedLayout.get_default_for([a_tail, BLOCK_K], gl.bfloat16)
         desc = TensorDescriptor.from_tensor
         self.descs = (desc(w13[:f], [A_COLS, BLOCK_K], wide_l), desc(w13[f:], [A_COLS, BLOCK_K], wide_l),
-                      desc(w13[:f], [A_TAIL, BLOCK_K], tail_l), desc(w13[f:], [A_TAIL, BLOCK_K], tail_l))
+                      desc(w13[:f], [a_tail, BLOCK_K], tail_l), desc(w13[f:], [a_tail, BLOCK_K], tail_l))
         self.w2_d = desc(w2, [b_cols, BLOCK_K], gl.NVMMASharedLayout.get_default_for([b_cols, BLOCK_K], gl.bfloat16))
-        self.n_wide, n_tail = a_tiles(f, self.programs)
+        self.n_wide, n_tail = a_tiles(f, self.programs, a_tail)
         self.n_a = self.n_wide + n_tail
         self.n_bc = h // b_cols
         self.slices = f // k_slice
-        sched, count = schedule([4 * A_COLS * h] * self.n_wide + [4 * A_TAIL * h] * n_tail, self.n_bc, self.slices,
+        sched, count = schedule([4 * A_COLS * h] * self.n_wide + [4 * a_tail * h] * n_tail, self.n_bc, self.slices,
                                 2 * b_cols * k_slice, self.programs)
         if only:   # the benchmark's timing of one phase alone: the other phase's tiles left out of every list
             keep = [[t for t in sched[p, :count[p]].tolist() if (t < self.n_a) == (only == "a")]
@@ -344,10 +346,10 @@ class GluonMLP:
     def constexprs(self) -> dict[str, int]:
         """The kernel's compile-time arguments."""
         return dict(N_A=self.n_a, N_WIDE=self.n_wide, N_BC=self.n_bc, K_TILES_A=self.h // BLOCK_K,
-                    K_TILES_B=self.k_slice // BLOCK_K, A_COLS=A_COLS, A_TAIL=A_TAIL, B_COLS=self.b_cols,
+                    K_TILES_B=self.k_slice // BLOCK_K, A_COLS=A_COLS, A_TAIL=self.a_tail, B_COLS=self.b_cols,
                     BLOCK_K=BLOCK_K, K_SLICE=self.k_slice, F=self.f, H=self.h, ROWS=ROWS, SLOTS_A=SLOTS_A,
                     SLOTS_B=self.slots_b, SLOTS_H=self.slots_h, MOST=self.sched.shape[1],
-                    FLAGS_P=max(32, triton.next_power_of_2(self.k_slice // A_TAIL + 2)),   # a slice's A tiles
+                    FLAGS_P=max(32, triton.next_power_of_2(self.k_slice // self.a_tail + 2)),   # a slice's A tiles
                     WAIT=self.wait)
 
     def arguments(self, x: torch.Tensor) -> tuple[tuple, torch.Tensor]:
@@ -402,7 +404,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--configs", default=f"{B_COLS}x{K_SLICE}b{SLOTS_B}h{SLOTS_H}",
-                   help="B tile configs, comma-separated: B_COLSxK_SLICEbSLOTS_BhSLOTS_H[!nowait] (the first is "
+                   help="configs, comma-separated: B_COLSxK_SLICEbSLOTS_BhSLOTS_H[tA_TAIL][!nowait|!a|!b] (the first is "
                         "checked; !nowait: B tiles skip their flags; !a, !b: one phase's tiles alone; timing only)")
     p.add_argument("--out")
     args = p.parse_args()
@@ -414,11 +416,12 @@ def main() -> int:
     configs = {}
     for c in args.configs.split(","):
         shape, _, flag = c.partition("!")
+        shape, _, a_tail = shape.partition("t")
         b_cols, rest = shape.split("x")
         k_slice, rest = rest.split("b")
         slots_b, slots_h = rest.split("h")
         configs[c] = [GluonMLP(a, b, b_cols=int(b_cols), k_slice=int(k_slice), slots_b=int(slots_b),
-                               slots_h=int(slots_h), wait=flag != "nowait", only=flag if flag in ("a", "b") else "")
+                               slots_h=int(slots_h), wait=flag != "nowait", only=flag if flag in ("a", "b") else "", a_tail=int(a_tail or A_TAIL))
                       for a, b in weights]
     mlps = next(iter(configs.values()))
     res: dict = {"device": torch.cuda.get_device_name(dev), "triton": triton.__version__, "torch": torch.__version__,

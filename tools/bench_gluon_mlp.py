@@ -299,7 +299,7 @@ class GluonMLP:
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, programs: int | None = None, *, b_cols: int = B_COLS,
                  k_slice: int = K_SLICE, slots_b: int = SLOTS_B, slots_h: int = SLOTS_H, wait: bool = True,
-                 only: str = "", a_tail: int = A_TAIL) -> None:
+                 only: str = "", a_tail: int = A_TAIL, slots_a: int = SLOTS_A) -> None:
         if gluon is None:
             raise RuntimeError("GluonMLP needs Triton with Gluon (>= 3.5)")
         two_f, h = w13.shape
@@ -315,7 +315,7 @@ class GluonMLP:
         self.programs = programs or fused._sms(dev)
         self.x_layout = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_K], gl.bfloat16)
         wide_l = gl.NVMMASharedLayout.get_default_for([A_COLS, BLOCK_K], gl.bfloat16)
-        self.a_tail = a_tail
+        self.a_tail, self.slots_a = a_tail, slots_a
         tail_l = gl.NVMMASharedLayout.get_default_for([a_tail, BLOCK_K], gl.bfloat16)
         desc = TensorDescriptor.from_tensor
         self.descs = (desc(w13[:f], [A_COLS, BLOCK_K], wide_l), desc(w13[f:], [A_COLS, BLOCK_K], wide_l),
@@ -347,7 +347,7 @@ class GluonMLP:
         """The kernel's compile-time arguments."""
         return dict(N_A=self.n_a, N_WIDE=self.n_wide, N_BC=self.n_bc, K_TILES_A=self.h // BLOCK_K,
                     K_TILES_B=self.k_slice // BLOCK_K, A_COLS=A_COLS, A_TAIL=self.a_tail, B_COLS=self.b_cols,
-                    BLOCK_K=BLOCK_K, K_SLICE=self.k_slice, F=self.f, H=self.h, ROWS=ROWS, SLOTS_A=SLOTS_A,
+                    BLOCK_K=BLOCK_K, K_SLICE=self.k_slice, F=self.f, H=self.h, ROWS=ROWS, SLOTS_A=self.slots_a,
                     SLOTS_B=self.slots_b, SLOTS_H=self.slots_h, MOST=self.sched.shape[1],
                     FLAGS_P=max(32, triton.next_power_of_2(self.k_slice // self.a_tail + 2)),   # a slice's A tiles
                     WAIT=self.wait)
@@ -404,7 +404,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--configs", default=f"{B_COLS}x{K_SLICE}b{SLOTS_B}h{SLOTS_H}",
-                   help="configs, comma-separated: B_COLSxK_SLICEbSLOTS_BhSLOTS_H[tA_TAIL][!nowait|!a|!b] (the first is "
+                   help="configs, comma-separated: B_COLSxK_SLICEbSLOTS_BhSLOTS_H[tA_TAIL][aSLOTS_A][!nowait|!a|!b] (the first is "
                         "checked; !nowait: B tiles skip their flags; !a, !b: one phase's tiles alone; timing only)")
     p.add_argument("--out")
     args = p.parse_args()
@@ -416,12 +416,13 @@ def main() -> int:
     configs = {}
     for c in args.configs.split(","):
         shape, _, flag = c.partition("!")
+        shape, _, slots_a = shape.partition("a")
         shape, _, a_tail = shape.partition("t")
         b_cols, rest = shape.split("x")
         k_slice, rest = rest.split("b")
         slots_b, slots_h = rest.split("h")
         configs[c] = [GluonMLP(a, b, b_cols=int(b_cols), k_slice=int(k_slice), slots_b=int(slots_b),
-                               slots_h=int(slots_h), wait=flag != "nowait", only=flag if flag in ("a", "b") else "", a_tail=int(a_tail or A_TAIL))
+                               slots_h=int(slots_h), wait=flag != "nowait", only=flag if flag in ("a", "b") else "", a_tail=int(a_tail or A_TAIL), slots_a=int(slots_a or SLOTS_A))
                       for a, b in weights]
     mlps = next(iter(configs.values()))
     res: dict = {"device": torch.cuda.get_device_name(dev), "triton": triton.__version__, "torch": torch.__version__,

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import sys
 import time
 from pathlib import Path
@@ -397,7 +396,7 @@ def checks(rows: int, w13: torch.Tensor, w2: torch.Tensor, mlp: GluonMLP) -> dic
 
 def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_gpu_verify import captured, interleaved_ms   # the GPU benchmarks' graph timing
+    from bench_gpu_verify import captured, interleaved_ms, report   # the GPU benchmarks' graph timing, output
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="16,64")
@@ -449,10 +448,7 @@ def main() -> int:
         res["ms"][str(rows)] = {**dict(zip(graphs, ms)), "floor": floor}
         print(f"rows {rows}: " + ", ".join(f"{k} {v:.4f} ms ({w_bytes / (v * 1e-3) / 1e12:.2f} TB/s)"
                                            for k, v in zip(graphs, ms)) + f"; floor {floor:.4f}", flush=True)
-    print(json.dumps(res, indent=1))
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(res, fh, indent=1)
+    report(res, args.out)
     return 0
 
 

@@ -129,6 +129,14 @@ def cuda_ms(fn, warmup: int, iters: int) -> float:
     return interleaved_ms([fn], warmup, iters)[0]
 
 
+def report(result: dict, out: str | None) -> None:
+    """The GPU micro-benchmarks' ending: the result as indented JSON on stdout and, with --out, in that file."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if out:
+        Path(out).write_text(text)
+
+
 def captured(calls: list):  # noqa: ANN201 - a torch.cuda.CUDAGraph
     """`calls` captured back to back in one CUDA graph (each run twice first: compile, cuBLAS handles)."""
     for f in calls[:2]:

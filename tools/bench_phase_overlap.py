@@ -26,7 +26,6 @@ assumes all its programs are resident at once (one per SM, nothing else running)
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -46,7 +45,7 @@ except ImportError:   # pragma: no cover - an older Triton: the dataflow variant
     gluon = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_verify import captured, cuda_ms  # noqa: E402 - the GPU benchmarks' graph timing
+from bench_gpu_verify import captured, cuda_ms, report  # noqa: E402 - the GPU benchmarks' graph timing, output
 
 LAYER = {"wqkv": 2048 * 1536, "wo": 1536 * 1536, "w13": 17920 * 1536, "w2": 1536 * 8960}   # elements
 
@@ -296,10 +295,7 @@ def main() -> int:
     result = {"device": torch.cuda.get_device_name(dev), "sms": sms, "triton": triton.__version__,
               "torch": torch.__version__, "args": vars(args),
               "runs": [run(int(g), args, w, sms) for g in args.gaps.split(",")]}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    report(result, args.out)
     return 0
 
 

@@ -1,6 +1,6 @@
 """A persistent Gluon kernel (sm_90) for the MLP block at <= 64 token rows, against what the verify step runs
 there now (fused.linear_silu, then fused.linear_rows_partials for down): checks, then timings. Not adopted: in the
-twenty-third session (docs/BENCHMARKS.md) it was correct but 30-40 % slower than the step's two kernels; it stays
+twenty-third session (docs/BENCHMARKS.md) it was correct but 16-19 % slower than the step's two kernels; it stays
 here, with its checks, as the first working piece of the megakernel lead of issue 9.
 
 The kernel: at 1 x 64 the verify step streams each layer's weights through separate kernels, and every kernel

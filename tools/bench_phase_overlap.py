@@ -238,13 +238,14 @@ def run(gaps: int, args: argparse.Namespace, w: torch.Tensor, sms: int) -> dict:
             _persistent_kernel[(sms,)](w, t_bases, t_sizes, t_next, out, ctr, len(plan), PREF=pref, **common)
         return go
 
+    df_tile = args.df_rows * DF_COLS   # the dataflow variants' phases in tiles, shared by every ring depth
+    t_tiles, t_tbase = (torch.tensor([v // df_tile for v in vals], dtype=torch.int32, device=dev)
+                        for vals in (sizes, bases))
+
     def dataflow(slots: int):
-        tile = args.df_rows * DF_COLS
-        if any(n % tile for n in sizes):
+        if any(n % df_tile for n in sizes):
             raise ValueError(f"phases are not whole {args.df_rows} x {DF_COLS} tiles")
         desc = dataflow_descriptor(w, args.df_rows)
-        t_tiles, t_tbase = (torch.tensor([v // tile for v in vals], dtype=torch.int32, device=dev)
-                            for vals in (sizes, bases))
 
         def go():
             _dataflow_kernel[(sms,)](desc, t_tiles, t_tbase, out, ctr, len(plan), TR=args.df_rows, COLS=DF_COLS,

@@ -257,7 +257,7 @@ def test_l2_warm_budget_takes_wo_whole_then_whole_lines_of_every_gate_up_row():
 
     wo = torch.empty(1536, 1536, dtype=torch.bfloat16, device="meta")
     gate_up = torch.empty(17920, 1536, dtype=torch.bfloat16, device="meta")
-    assert (fused.L2_WARM, fused.L2_WARM_ROWS) == (32, 16)   # the H200's pick
+    assert (fused.L2_WARM, fused.L2_WARM_ROWS) == (32, 64)   # the H200's pick
     with knobs.override({"L2_WARM": 0}):
         assert fused.l2_warm_lines(1, wo, gate_up) is None
     with knobs.override({"L2_WARM": 32, "L2_WARM_ROWS": 64}):
@@ -542,3 +542,39 @@ def test_prefetch_tiles_spans_whole_tiles_of_the_slice(monkeypatch, tiles, confi
         out = fused.linear_rows_partials(x, w, config=config)
     assert seen == {"SPAN": span, "LINES": span * 4 // 128}
     assert torch.allclose(out.sum(0), x @ w.T, atol=1e-3)
+
+
+def test_launch_fitting_drops_stages_until_shared_memory_fits(monkeypatch):
+    """A config picked on the H200 that asks for more shared memory than a smaller GPU has (Triton's
+    OutOfResources at load) runs with fewer stages instead of failing, and later launches start from the stages
+    that fit; a kernel that does not fit with one stage still raises."""
+    from triton.runtime.errors import OutOfResources
+
+    from edgespec.verifier.torch import fused
+
+    monkeypatch.setattr(fused, "_FITTED_STAGES", {})
+    tried: list[int] = []
+
+    class Kernel:   # stands in for a jit function on a GPU with room for 3 stages of this config
+        limit = 3
+
+        def __getitem__(self, grid):
+            def launch(*args, num_stages, **constexprs):
+                tried.append(num_stages)
+                if num_stages > self.limit:
+                    raise OutOfResources(num_stages * 1000, self.limit * 1000, "shared memory")
+            return launch
+
+    x = torch.zeros(2)
+    kernel = Kernel()
+    fused.launch_fitting(kernel, (1,), x, num_stages=6, BLOCK=64)
+    assert tried == [6, 5, 4, 3]
+    tried.clear()
+    fused.launch_fitting(kernel, (1,), x, num_stages=6, BLOCK=64)
+    assert tried == [3]                       # remembered per kernel, device, stages asked and constexprs
+    tried.clear()
+    fused.launch_fitting(kernel, (1,), x, num_stages=2, BLOCK=64)
+    assert tried == [2]                       # a config that fits runs as asked
+    kernel.limit = 0
+    with pytest.raises(OutOfResources):
+        fused.launch_fitting(kernel, (1,), x, num_stages=2, BLOCK=128)

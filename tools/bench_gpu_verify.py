@@ -48,6 +48,7 @@ import contextlib
 import datetime
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -77,6 +78,28 @@ def attention_knobs(**values: int) -> contextlib.AbstractContextManager:
     attention kernel's (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, TARGET_PROGRAMS, TREE_SPLIT, ...),
     fused.py's (GEMV_ROPE, ...) or tree_ops.py's (MOVE_ROWS_KERNEL)."""
     return kernel_knobs.override(values)
+
+
+@contextlib.contextmanager
+def matmul_table(spec: str):
+    """A variant's "%NxKrROWS=C.BK.S.W.ST+..." part: fused.LINEAR_ROWS_TABLE entries set for the body (the
+    graphs captured inside keep the configs), then put back. Each entry puts (ROWS, config) first in the
+    [N x K] weight's list, so it serves every row count up to ROWS the old entries served below it;
+    "=cublas" sets None (F.linear)."""
+    from edgespec.verifier.torch import fused
+
+    before = {k: list(v) for k, v in fused.LINEAR_ROWS_TABLE.items()}
+    try:
+        for item in filter(None, spec.split("+")):
+            shape, rows, cfg = re.fullmatch(r"(\d+x\d+)r(\d+)=([\d.]+|cublas)", item).groups()
+            n, k = (int(v) for v in shape.split("x"))
+            entry = None if cfg == "cublas" else tuple(int(v) for v in cfg.split("."))
+            old = [e for e in fused.LINEAR_ROWS_TABLE.get((n, k), []) if e[0] != int(rows)]
+            fused.LINEAR_ROWS_TABLE[(n, k)] = sorted(old + [(int(rows), entry)], key=lambda e: e[0])
+        yield
+    finally:
+        fused.LINEAR_ROWS_TABLE.clear()
+        fused.LINEAR_ROWS_TABLE.update(before)
 
 
 def knob_values(spec: str) -> dict[str, int]:
@@ -677,6 +700,7 @@ def bench_steps(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dic
     for variant, small in [(v, s) for v in attentions for s in small_values]:
         name = variant if len(small_values) == 1 else f"{variant}+srm{small}"
         variant, _, extra = variant.partition("!")    # triton!KNOB=V:KNOB=V: any class knob, e.g. !NUM_WARPS=8
+        variant, _, table = variant.partition("%")    # triton%2048x1536r64=16.128.1.4.3: small-rows matmul configs
         variant, _, tiles = variant.partition("#")    # triton#BMxBN: pinned attention tiles
         variant, _, policy = variant.partition("@")   # triton@P:K: TARGET_PROGRAMS P, MIN_SPLIT_KEYS K
         attention, _, unfused = variant.partition("-")
@@ -695,7 +719,7 @@ def bench_steps(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dic
         try:
             if device.type == "cuda" and blas != "default":
                 torch.backends.cuda.preferred_blas_library(blas)
-            with attention_knobs(**knobs):
+            with attention_knobs(**knobs), matmul_table(table):
                 _steps(engine, args, config, batches, trees, name, ceil, rows)
             if engine.cuda_graphs:
                 kept.append((name, engine))
@@ -1179,7 +1203,8 @@ def main() -> int:
     p.add_argument("--attention", default="triton,torch",
                    help="engine variants to time: triton, torch, and either with -unfused (no fused.py kernels); "
                         "triton@P:K sets the key-split policy (about P programs, >= K keys per split), "
-                        "triton#MxN pins the attention tiles (both: triton@P:K#MxN), a last !KNOB=V:KNOB=V sets "
+                        "triton#MxN pins the attention tiles (both: triton@P:K#MxN), %NxKrROWS=C.BK.S.W.ST+... sets small-rows "
+                        "matmul configs (fused.LINEAR_ROWS_TABLE), a last !KNOB=V:KNOB=V sets "
                         "other TritonPagedAttention knobs (triton!NUM_WARPS=8), and !BLAS=cublaslt picks torch's BLAS library")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)

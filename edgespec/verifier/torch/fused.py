@@ -518,18 +518,27 @@ LINEAR_ROWS_MAX = 64
 # 10.18 -> 10.03 in another call. 16 rows (tools/bench_gpu_verify.py --matmul-sweep, 2026-12-01 17:44
 # UTC, power-of-two column blocks): wo 4.24 vs 5.31; at 64 rows none won.
 LINEAR_ROWS_TABLE: dict[tuple[int, int], list[tuple[int, tuple[int, int, int, int, int] | None]]] = {
-    (2048, 1536): [(1, (8, 512, 1, 8, 3)), (16, (16, 128, 1, 4, 6)), (64, None)],
+    (2048, 1536): [(1, (8, 512, 1, 8, 3)), (16, (16, 128, 1, 4, 6)), (64, (16, 128, 1, 4, 4))],
     (1536, 1536): [(1, (8, 256, 2, 4, 3)), (16, (32, 128, 2, 4, 4)), (64, (48, 64, 4, 4, 6))],
     (17920, 1536): [(64, (68, 64, 1, 8, 6))],
-    (1536, 8960): [(1, (16, 256, 5, 4, 3)), (64, (128, 64, 11, 8, 6))],
+    (1536, 8960): [(1, (16, 256, 5, 4, 3)), (64, (128, 64, 11, 8, 8))],
 }
+# wqkv at 17-64 rows and w2's 8 stages: the twenty-fourth session (H200, 2026-12-04, docs/BENCHMARKS.md; steps' graph
+# replays round-robin, tools/bench_gpu_verify.py variants with '%' table entries). wqkv there was cuBLAS's (5.88 us
+# alone against 6.76 for linear_rows, thirteenth session), but cuBLAS cannot launch with PDL, so each layer's chain
+# broke twice, and RoPE took a launch of its own. On linear_rows, with RoPE in its epilogue and L2 warming up to 64
+# rows (L2_WARM_ROWS), 1 x 64 went 1.834 -> 1.757 ms (-4.2 %; each change alone -1.4 / -0.7 %); 128-wide K tiles
+# with 4 stages (against the balanced 64 x 4) took it to 1.717, and w2 with 8 stages (against 6) to 1.690 (-7.9 %
+# in all; 4 x 16 -7.3 %, 1 x 16 -0.7 %, the other cells within 0.5 %). Deeper wqkv, wo or gate/up pipelines, other
+# wo splits and 70-column gate/up tiles were within noise or slower.
 # 2-64 rows and gate/up: picked on the H200 on 2026-12-02 (docs/BENCHMARKS.md thirteenth session), us per call in
 # one call (tools/bench_gpu_verify.py --matmul-sweep) against cuBLAS: wqkv 16 rows 4.68 vs 5.25 (64: 6.76 vs 5.88,
 # cuBLAS); wo 64 rows 4.52 vs 5.03 (16: the earlier entry, 3.21); gate/up + SiLU*up 64 rows 18.63 vs cuBLAS +
 # silu_mul 21.53; w2 on SiLU*up 64 rows 10.42 vs 12.22 (16 rows, where gate/up stays on cuBLAS, w2 applies SiLU*up
 # as it loads). In the steps, round-robin (Engine small_rows_matmul 1 against 64): 1 x 16 -10.3 %, 8 x 1 -10.7 %,
 # 1 x 64 -2.8 %; gate/up as linear_silu at 1 and 16 rows was slower there than cuBLAS (+1.2 %, +2.3 %).
-SMALL_ROWS_AUTO = 0   # 1: where LINEAR_ROWS_TABLE says cuBLAS (None), run linear_rows with balanced_config instead
+SMALL_ROWS_AUTO = 0   # 1: where LINEAR_ROWS_TABLE says cuBLAS (None; no Qwen2.5-1.5B entry since the twenty-fourth
+                      # session), run linear_rows with balanced_config instead
                       # (and the gate/up matrix as linear_silu): for benchmarks that A/B the balanced shares.
                       # Off: on the H200 (2026-12-02) the steps were 4-23 % slower with every matrix on it
 LINEAR_SILU_ROWS = 1    # gate/up runs as linear_silu (where the table has a config) from this many rows on, F.linear
@@ -679,15 +688,16 @@ def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if gemv:
         units = triton.cdiv(n, cols) * split
         progs = min(units, _gemv_programs(x.device))
-        _gemv_kernel[(progs,)](x, weight, x if bias is None else bias, out, n, k, k_split, units, *epilogue,
-                               ITERS=triton.cdiv(units, progs) * (k_split // block_k), K_TILES=k_split // block_k,
-                               SPLIT=split, EVEN=n % cols == 0 and k % k_split == 0, BLOCK_N=cols,
-                               LINES=pdl.lines(block_k, weight), **common)
+        launch_fitting(_gemv_kernel, (progs,), x, weight, x if bias is None else bias, out, n, k, k_split, units,
+                       *epilogue, ITERS=triton.cdiv(units, progs) * (k_split // block_k), K_TILES=k_split // block_k,
+                       SPLIT=split, EVEN=n % cols == 0 and k % k_split == 0, BLOCK_N=cols,
+                       LINES=pdl.lines(block_k, weight), **common)
     else:
         r_main, r_tail = _row_tiles((2 if pair else 1) * cols)
         ahead = min(PREFETCH_TILES, k_split // block_k)
         span = block_k << max(0, ahead.bit_length() - 1)   # a power of two of whole tiles inside the slice
-        _linear_rows_kernel[(triton.cdiv(n_out, cols), split)](
+        launch_fitting(
+            _linear_rows_kernel, (triton.cdiv(n_out, cols), split),
             x, weight, x if bias is None else bias, out, rows, n_out, k, k_split, x.shape[1], *epilogue,
             K_TILES=k_split // block_k, COLS=cols, R_MAIN=r_main, R_TAIL=r_tail, PAIR=pair, EVEN_K=k % k_split == 0,
             IEEE=weight.dtype == torch.float32, ROWS_P=max(16, triton.next_power_of_2(rows)),
@@ -700,6 +710,32 @@ def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                                                      PARTS=split, HAS_BIAS=bias is not None, BLOCK=blk, num_warps=4,
                                                      **pdl.launch_args(x.device, rows))
     return summed
+
+
+_FITTED_STAGES: dict[tuple, int] = {}   # (kernel, device, stages asked, constexprs) -> stages that fit that GPU
+
+
+def launch_fitting(kernel, grid: tuple[int, ...], *args, num_stages: int, **constexprs) -> None:
+    """kernel[grid](*args, num_stages=..., **constexprs), with fewer pipeline stages where the GPU's shared memory
+    cannot hold the ones asked for. The tables' configs were picked on the H200 (227 KB a program); an A100
+    (163 KB) or an RTX 4090 (99 KB) would refuse the deepest of them (Triton's OutOfResources) instead of running
+    them a little slower. The first launch that fails finds the stages that fit; later ones start from them."""
+    from triton.runtime.errors import OutOfResources
+
+    key = None
+    if _FITTED_STAGES:   # (the key is built only once some launch has had to fit: none does on the H200)
+        key = (kernel, args[0].device, num_stages, tuple(sorted(constexprs.items())))
+        num_stages = _FITTED_STAGES.get(key, num_stages)
+    while True:
+        try:
+            kernel[grid](*args, num_stages=num_stages, **constexprs)
+            return
+        except OutOfResources:
+            if num_stages <= 1:
+                raise
+            key = key or (kernel, args[0].device, num_stages, tuple(sorted(constexprs.items())))
+            num_stages -= 1
+            _FITTED_STAGES[key] = num_stages
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu: bool = False,
@@ -837,7 +873,9 @@ L2_WARM = 32      # MB of a layer's next weights that a side stream asks L2 for 
                   # fifteenth session), graph replays round-robin against no warming, two calls: 1 x 16 -0.9 / -1.3 %,
                   # 8 x 1 -1.9 / -2.0 %; at 1 x 64 every budget (16 / 32 / 48 MB) was 1.3-2.1 % slower, at 8 x 64
                   # within 1 %: hence the row bound
-L2_WARM_ROWS = 16  # ... for steps of at most this many token rows
+L2_WARM_ROWS = 64  # ... for steps of at most this many token rows. 16 until the twenty-fourth session: with wqkv on
+                   # linear_rows at 17-64 rows (every kernel of a layer in one PDL chain) warming there paid too
+                   # (1 x 64 -4.2 % with both, against -1.4 % for the matmul alone; budgets 16 / 24 / 48 MB slower)
 WARM_ROWS_PER_PROGRAM = 128   # rows (one bulk prefetch each) per program of the warming kernel; 1024 (fewer,
                               # longer programs) was 3-7 % slower at 1 x 1, 1 x 16 and 8 x 1 (H200, 2026-12-03)
 

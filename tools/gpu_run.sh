@@ -82,7 +82,11 @@ case $phase in
     # tree-attention kernel (ROPE_FROM_QKV; the split kernel or the merge writing) exact but 2-12 % slower, even
     # with no cache write at all: removed; the attention merge over 8 query rows a program from 512 token rows
     # (MERGE_ROWS, MERGE_ROWS_FROM: 8 x 64 -0.9 / -1.4 %) adopted; one persistent kernel with grid barriers lost to
-    # PDL kernels (tools/bench_phase_overlap.py). No candidate is pending: the
+    # PDL kernels (tools/bench_phase_overlap.py). The twenty-fourth session's (bench_gpu_verify variants with '%' matmul
+    # table entries, not this phase): wqkv on linear_rows at 17-64 rows with RoPE in its epilogue (one PDL chain a layer),
+    # L2 warming up to 64 rows and w2 with 8 stages adopted together (1 x 64 -7.9 %, 4 x 16 -7.3 %); PREFETCH_TILES=2
+    # (0.2-1.0 %, noise), 32 attention splits (1 x 16 -1.2 %, 1 x 64 +6.8 %) and every neighbouring matmul config
+    # within noise or slower. No candidate is pending: the
     # phase times the defaults; add a variant as 'triton,triton!KNOB=V' (with the pdl check for PDL or TRIGGER,
     # l2_warm for L2_WARM).
     EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,capacity,mixed,hf,matmuls \

@@ -271,6 +271,27 @@ def test_l2_warm_budget_takes_wo_whole_then_whole_lines_of_every_gate_up_row():
         assert fused.l2_warm_lines(1, wo, gate_up) == 24     # all of it
 
 
+def test_l2_warming_only_where_the_gpu_has_the_bulk_prefetch(monkeypatch):
+    """_l2_warm_kernel's cp.async.bulk.prefetch is an sm_90 instruction: on an A100, L4 or RTX 4090 (compute
+    capability 8.x) the step does not warm at all (the kernel would not assemble there); an H100 / H200 does."""
+    from edgespec.verifier.torch import fused
+
+    capability = {0: (8, 9), 1: (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability[index])
+    fused._cuda_bulk_prefetch.cache_clear()
+    try:
+        assert not fused.bulk_prefetch_ok(torch.device("cuda", 0))
+        assert fused.bulk_prefetch_ok(torch.device("cuda", 1))
+        assert fused.bulk_prefetch_ok(torch.device("cpu")) and fused.bulk_prefetch_ok(torch.device("meta"))
+
+        class OnGpu0:   # l2_warm_lines reads the weight's device only before it gives up
+            device = torch.device("cuda", 0)
+
+        assert fused.l2_warm_lines(1, OnGpu0(), OnGpu0()) is None
+    finally:
+        fused._cuda_bulk_prefetch.cache_clear()
+
+
 def test_one_row_gemv_in_bfloat16():
     """The one-row GEMV as the step runs it, in bf16 (its dot-free sums run in the interpreter in any
     dtype): bf16 weights and input, float32 sums, one rounding at the end; SiLU*up rounded to bf16

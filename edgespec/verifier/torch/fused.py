@@ -22,6 +22,7 @@ Configs come from a static table per weight shape (LINEAR_ROWS_TABLE), not trito
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -893,10 +894,23 @@ if triton is not None:
                                   [W + r.to(tl.int64) * row_len, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_bulk_prefetch(index: int) -> bool:
+    """GPU `index` has cp.async.bulk.prefetch (compute capability 9.0+: H100, H200)."""
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def bulk_prefetch_ok(device: torch.device) -> bool:
+    """Whether _l2_warm_kernel can run on `device`: its bulk prefetch is an sm_90 instruction, so on an A100,
+    L4 or RTX 4090 the kernel would not even assemble and the step must not warm. Tensors on the CPU or the meta
+    device never launch it; they say yes, so the budget arithmetic can be checked anywhere."""
+    return device.type != "cuda" or _cuda_bulk_prefetch(device.index or 0)
+
+
 def l2_warm_lines(rows: int, wo: torch.Tensor, gate_up: torch.Tensor) -> int | None:
     """How many 128-byte lines of each gate/up row to warm besides all of wo within L2_WARM MB (0: wo
-    alone); None: no warming (knob off, or more than L2_WARM_ROWS rows)."""
-    if not L2_WARM or rows > L2_WARM_ROWS:
+    alone); None: no warming (knob off, more than L2_WARM_ROWS rows, or a GPU without the bulk prefetch)."""
+    if not L2_WARM or rows > L2_WARM_ROWS or not bulk_prefetch_ok(wo.device):
         return None
     left = L2_WARM * 2 ** 20 - wo.numel() * wo.element_size()
     row_lines = gate_up.shape[1] * gate_up.element_size() // 128

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from edgespec.verifier.torch import pdl
+from edgespec.verifier.torch.fused import launch_fitting
 from edgespec.verifier.torch.pdl import gdc_enter, gdc_release
 from edgespec.verifier.torch.tree_ops import pack_ancestor_bits
 
@@ -312,8 +313,8 @@ class TritonPagedAttention:
         W = self.bits.shape[2]
         grid = (m_tiles, ns, B * Hkv) if self.M_FIRST else (B * Hkv, ns, m_tiles)
         gdc = pdl.launch_args(q.device, B * T)
-        _tree_attn_split[grid](
-            q, cache, self.tables, self.ctx, self.bits, acc, m, l_, out,
+        launch_fitting(   # (fewer stages where a smaller GPU's shared memory cannot hold the tiles' pipeline)
+            _tree_attn_split, grid, q, cache, self.tables, self.ctx, self.bits, acc, m, l_, out,
             1.0 / math.sqrt(D), cache.stride(0), self.tables.shape[1], T, G, W, MT,
             # (the interpreter's loop bound: a context split's tiles, or the tree's T keys in a split of their own)
             MAX_TILES=max(triton.cdiv(triton.cdiv(self.max_keys + T, block_n), max(1, ns - self.TREE_SPLIT)),

@@ -599,3 +599,25 @@ def test_launch_fitting_drops_stages_until_shared_memory_fits(monkeypatch):
     kernel.limit = 0
     with pytest.raises(OutOfResources):
         fused.launch_fitting(kernel, (1,), x, num_stages=2, BLOCK=128)
+
+
+@pytest.mark.parametrize("rows", [65, 128])
+def test_small_rows_matmuls_past_64_rows_when_the_knob_allows(rows):
+    """LINEAR_ROWS_MAX bounds the rows the small-rows kernel takes (64: the step then uses cuBLAS past it). The
+    kernel itself is generic in its padded row count, so a GPU session can time it past 64 rows (a knob and '%'
+    table entries in tools/bench_gpu_verify.py, no code change): plain with bias, float32 partials of a K split,
+    and gate/up with SiLU*up, each against torch."""
+    import torch.nn.functional as F
+
+    from edgespec.verifier.torch import fused
+
+    torch.manual_seed(rows)
+    x, w, b, gate_up = torch.randn(rows, 64), torch.randn(96, 64), torch.randn(96), torch.randn(96, 64)
+    with knobs.override({"LINEAR_ROWS_MAX": rows}):
+        assert torch.allclose(fused.linear_rows(x, w, b, config=(16, 32, 1, 4, 2)), F.linear(x, w, b), atol=1e-4)
+        partials = fused.linear_rows_partials(x, w, config=(32, 16, 2, 4, 2))
+        assert partials.shape == (2, rows, 96) and torch.allclose(partials.sum(0), x @ w.T, atol=1e-4)
+        assert torch.allclose(fused.linear_silu(x, gate_up, config=(16, 32, 1, 4, 2)),
+                              fused.linear_silu_torch(x, gate_up), atol=1e-3)
+    with pytest.raises(ValueError, match="1..64 rows"):
+        fused.linear_rows(x, w, b, config=(16, 32, 1, 4, 2))

@@ -821,7 +821,7 @@ GEMV_ROPE = 0   # 1: a one-token step's wqkv GEMV also does RoPE and the cache w
 
 ROWS_ROPE = 1   # from two rows on (steps where linear_rows serves wqkv) its epilogue does RoPE and the cache writes
                 # (0: rope_store's own launch). H200, 2026-12-02, round-robin replays: 1 x 16 -2.5 %, 8 x 1 -0.3 %;
-                # the other cells do not use it (within 0.2 %)
+                # the other cells did not use it then (within 0.2 %); 17-64 rows do since the twenty-fourth session
 
 
 def rope_in_matmul_fits(rows: int, weight: torch.Tensor, head_dim: int) -> bool:

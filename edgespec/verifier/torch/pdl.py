@@ -38,8 +38,9 @@ except ImportError:  # pragma: no cover - CPU installs without triton never laun
 PDL = 64  # H200, 2026-12-02, replay against PDL = 0 in one process (docs/BENCHMARKS.md tenth session): 1 x 1
           # -11.6 %, 1 x 16 -5.5 %, 8 x 1 -6.2 %, 1 x 64 / 8 x 16 / 8 x 64 (no PDL there) within 1.3 %; the
           # steps bit-identical to plain launches. 64 since the twenty-first session (2026-12-04, replays round-robin
-          # against 16): 1 x 64 -2.9 %, the other cells within 0.3 % (up to 64 rows every matmul but wqkv is ours;
-          # past them they are cuBLAS's, and Triton kernels launched with PDL behind them made 8 x 64 22 % slower)
+          # against 16): 1 x 64 -2.9 %, the other cells within 0.3 % (up to 64 rows every matmul but wqkv was ours,
+          # and wqkv too since the twenty-fourth session; past them they are cuBLAS's, and Triton kernels launched
+          # with PDL behind them made 8 x 64 22 % slower)
 TRIGGER = 0  # where a kernel launched with PDL lets the next one launch: 0 at its start, right after its wait (the
              # next kernel's programs then sit on SMs, waiting, while this one still has programs to place); 1 once
              # its main loop is done (gdc_release in the matmul and attention kernels; the others at their exit);

@@ -277,19 +277,15 @@ def test_l2_warming_only_where_the_gpu_has_the_bulk_prefetch(monkeypatch):
     from edgespec.verifier.torch import fused
 
     capability = {0: (8, 9), 1: (9, 0)}
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability[index])
-    fused._cuda_bulk_prefetch.cache_clear()
-    try:
-        assert not fused.bulk_prefetch_ok(torch.device("cuda", 0))
-        assert fused.bulk_prefetch_ok(torch.device("cuda", 1))
-        assert fused.bulk_prefetch_ok(torch.device("cpu")) and fused.bulk_prefetch_ok(torch.device("meta"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability[device.index])
+    assert not fused.bulk_prefetch_ok(torch.device("cuda", 0))
+    assert fused.bulk_prefetch_ok(torch.device("cuda", 1))
+    assert fused.bulk_prefetch_ok(torch.device("cpu")) and fused.bulk_prefetch_ok(torch.device("meta"))
 
-        class OnGpu0:   # l2_warm_lines reads the weight's device only before it gives up
-            device = torch.device("cuda", 0)
+    class OnGpu0:   # l2_warm_lines reads the weight's device only before it gives up
+        device = torch.device("cuda", 0)
 
-        assert fused.l2_warm_lines(1, OnGpu0(), OnGpu0()) is None
-    finally:
-        fused._cuda_bulk_prefetch.cache_clear()
+    assert fused.l2_warm_lines(1, OnGpu0(), OnGpu0()) is None
 
 
 def test_one_row_gemv_in_bfloat16():

@@ -83,9 +83,9 @@ def attention_knobs(**values: int) -> contextlib.AbstractContextManager:
 @contextlib.contextmanager
 def matmul_table(spec: str):
     """A variant's "%NxKrROWS=C.BK.S.W.ST+..." part: fused.LINEAR_ROWS_TABLE entries set for the body (the
-    graphs captured inside keep the configs), then put back. Each entry puts (ROWS, config) first in the
-    [N x K] weight's list, so it serves every row count up to ROWS the old entries served below it;
-    "=cublas" sets None (F.linear)."""
+    graphs captured inside keep the configs), then put back. Each entry goes into the [N x K] weight's list in
+    row-bound order, replacing one with the same bound, so it serves the row counts above the next smaller bound
+    up to ROWS; "=cublas" sets None (F.linear)."""
     from edgespec.verifier.torch import fused
 
     before = {k: list(v) for k, v in fused.LINEAR_ROWS_TABLE.items()}

@@ -22,7 +22,6 @@ Configs come from a static table per weight shape (LINEAR_ROWS_TABLE), not trito
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -723,10 +722,12 @@ def launch_fitting(kernel, grid: tuple[int, ...], *args, num_stages: int, **cons
     them a little slower. The first launch that fails finds the stages that fit; later ones start from them."""
     from triton.runtime.errors import OutOfResources
 
-    key = None
-    if _FITTED_STAGES:   # (the key is built only once some launch has had to fit: none does on the H200)
-        key = (kernel, args[0].device, num_stages, tuple(sorted(constexprs.items())))
-        num_stages = _FITTED_STAGES.get(key, num_stages)
+    def key() -> tuple:   # built only once some launch has had to fit (none does on the H200)
+        return (kernel, args[0].device, asked, tuple(sorted(constexprs.items())))
+
+    asked = num_stages
+    if _FITTED_STAGES:
+        num_stages = _FITTED_STAGES.get(key(), asked)
     while True:
         try:
             kernel[grid](*args, num_stages=num_stages, **constexprs)
@@ -734,9 +735,8 @@ def launch_fitting(kernel, grid: tuple[int, ...], *args, num_stages: int, **cons
         except OutOfResources:
             if num_stages <= 1:
                 raise
-            key = key or (kernel, args[0].device, num_stages, tuple(sorted(constexprs.items())))
             num_stages -= 1
-            _FITTED_STAGES[key] = num_stages
+            _FITTED_STAGES[key()] = num_stages
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu: bool = False,
@@ -894,17 +894,11 @@ if triton is not None:
                                   [W + r.to(tl.int64) * row_len, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_bulk_prefetch(index: int) -> bool:
-    """GPU `index` has cp.async.bulk.prefetch (compute capability 9.0+: H100, H200)."""
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
 def bulk_prefetch_ok(device: torch.device) -> bool:
     """Whether _l2_warm_kernel can run on `device`: its bulk prefetch is an sm_90 instruction, so on an A100,
     L4 or RTX 4090 the kernel would not even assemble and the step must not warm. Tensors on the CPU or the meta
     device never launch it; they say yes, so the budget arithmetic can be checked anywhere."""
-    return device.type != "cuda" or _cuda_bulk_prefetch(device.index or 0)
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def l2_warm_lines(rows: int, wo: torch.Tensor, gate_up: torch.Tensor) -> int | None:

@@ -69,6 +69,50 @@ def test_batch_worker_deadline_and_errors():
     assert isinstance(jobs["b"].error, RuntimeError) and jobs["b"].batch_size == 1
 
 
+def test_batch_worker_runs_a_lone_request_in_its_own_thread():
+    """Nothing running, nothing queued: the submitter's thread runs the batch (no worker thread, no
+    hand-off). A request arriving meanwhile waits for that batch, never runs beside it, and the worker
+    thread takes it; a pending job (a sync in chunks) rides in the submitter's next batch too."""
+    ran_in, running, overlap = [], threading.Event(), []
+    release = threading.Event()
+
+    def run(jobs):
+        if running.is_set():
+            overlap.append(jobs)
+        running.set()
+        ran_in.append((threading.current_thread().name, [j.payload for j in jobs]))
+        if jobs[0].payload == "first":
+            release.wait(10)    # hold the batch until the second request is queued
+        for j in jobs:
+            if j.payload == "chunked" and j.batch_size and not getattr(j, "chunks", 0):
+                j.chunks, j.pending = 1, True
+            else:
+                j.result = j.payload
+        running.clear()
+
+    worker = BatchWorker(run, max_batch=4)
+    assert worker.submit("alone").result == "alone" and worker._thread is None
+    assert ran_in == [(threading.current_thread().name, ["alone"])]
+    first = threading.Thread(target=worker.submit, args=("first",), name="submitter-1")
+    first.start()
+    while not running.is_set():
+        time.sleep(0.005)
+    second = {}
+    t = threading.Thread(target=lambda: second.update(job=worker.submit("second")), name="submitter-2")
+    t.start()
+    while worker.queued < 1:
+        time.sleep(0.005)
+    release.set()
+    first.join(10)
+    t.join(10)
+    assert second["job"].result == "second" and not overlap
+    assert [r[0] for r in ran_in[1:]] == ["submitter-1", "edgespec-batcher"]
+    ran_in.clear()
+    job = worker.submit("chunked")
+    assert job.result == "chunked" and [r[0] for r in ran_in] == [threading.current_thread().name] * 2
+    worker.close()
+
+
 class Client:
     """One raw gRPC session stream: Open, Sync, then greedy root-only verifies (AR decoding)."""
 

@@ -2,7 +2,7 @@
 """What one verify step costs beyond the verifier's compute: a RemoteVerifier against a real verifier
 process on loopback, next to a bare gRPC bidi-stream echo on the same machine in the same run.
 
-    .venv/bin/python tools/bench_roundtrip.py [--model test] [--steps 400]
+    .venv/bin/python tools/bench_roundtrip.py [--model test] [--steps 400] [--verifier-args="--backend torch"]
 
 Per step (1-node trees, greedy; medians after 30 warm-up steps), in ms:
 - echo: a bare grpcio stream-stream echo of a 40-byte message (the transport's floor here), and the
@@ -12,13 +12,17 @@ Per step (1-node trees, greedy; medians after 30 warm-up steps), in ms:
   machine's (waking a sleeping thread) and gRPC's (its poller and callback threads wake in turn);
 - link: RemoteVerifier.verify wall time minus the server's reported compute and queue time, split into
   the client's own Python (wall minus its round trip) and the rest (transport, the server's request
-  thread: parsing, checks, the compute lock, metrics, the reply).
+  thread: parsing, checks, the compute lock, metrics, the reply);
+- batch worker: what the service's batch worker (verifier/torch/batching.py, the torch backend's
+  path) adds to one session's request beyond its compute, with a compute of `--worker-compute-ms`
+  (default 1.5: a GPU step) spent busy, in this process.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import queue
+import shlex
 import socket
 import statistics
 import sys
@@ -102,7 +106,30 @@ def tcp_echo_ms(steps: int, pause_s: float = 0.0) -> float:
     return 1000 * statistics.median(times[30:])
 
 
-def link_ms(model: str, steps: int) -> dict:
+def batch_worker_ms(steps: int, compute_s: float) -> float:
+    """Median of BatchWorker.submit's wall time less `compute_s` (spent busy in run_batch), one
+    request at a time with a 0.5 ms pause between them (as a gRPC handler waits for the next one)."""
+    from edgespec.verifier.torch.batching import BatchWorker
+
+    def run(jobs) -> None:  # noqa: ANN001
+        t = time.perf_counter()
+        while time.perf_counter() - t < compute_s:
+            pass
+        for job in jobs:
+            job.result = True
+
+    worker = BatchWorker(run)
+    times = []
+    for i in range(steps):
+        time.sleep(0.0005)
+        t = time.perf_counter()
+        worker.submit(i)
+        times.append(time.perf_counter() - t - compute_s)
+    worker.close()
+    return 1000 * statistics.median(times[30:])
+
+
+def link_ms(model: str, steps: int, verifier_args: list[str]) -> dict:
     round_trips: list[tuple[float, object]] = []
     plain = edge_link.Link._roundtrip
 
@@ -114,7 +141,7 @@ def link_ms(model: str, steps: int) -> dict:
     edge_link.Link._roundtrip = timed
     vocab = LlamaModel(modelstore.resolve(model, progress=False), vocab_only=True)
     prompt = vocab.chat_tokens([{"role": "user", "content": "Say something about rivers."}])
-    server = ServerProcess(model)
+    server = ServerProcess(model, *verifier_args)
     rows = []
     try:
         verifier = edge_link.RemoteVerifier(server.address, tokenizer_hash=server.info().tokenizer_hash)
@@ -145,12 +172,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="test", help="the verifier's target (default: SmolLM2, fast steps)")
     ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--verifier-args", default="", help="more `edgespec verifier serve` arguments, e.g. "
+                    "'--backend torch' (its batch worker's path)")
+    ap.add_argument("--worker-compute-ms", type=float, default=1.5)
     args = ap.parse_args()
-    link = link_ms(args.model, args.steps)
+    worker = batch_worker_ms(args.steps, args.worker_compute_ms / 1000)
+    link = link_ms(args.model, args.steps, shlex.split(args.verifier_args))
     pause = link["server_compute_ms"] / 1000
     out = {"echo_ms": echo_ms(args.steps), **link,
            "echo_after_compute_pause_ms": echo_ms(min(args.steps, 300), pause),
-           "tcp_echo_ms": tcp_echo_ms(args.steps), "tcp_echo_after_compute_pause_ms": tcp_echo_ms(min(args.steps, 300), pause)}
+           "tcp_echo_ms": tcp_echo_ms(args.steps), "tcp_echo_after_compute_pause_ms": tcp_echo_ms(min(args.steps, 300), pause),
+           "batch_worker_ms": worker}
     print(json.dumps({k: round(v, 3) for k, v in out.items()}))
     return 0
 

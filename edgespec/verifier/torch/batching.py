@@ -2,6 +2,12 @@
 every queued request (up to `max_batch`) and runs them as one forward (TorchBackend.verify_many),
 so 32 sessions cost about one batched step instead of 32 serial ones.
 
+A request that finds nothing running and nothing queued runs its batch in its own thread (the
+gRPC handler's), not the worker's: one session's step then pays no hand-off to the worker and back
+(two thread wake-ups, 0.1-0.3 ms a step on a loaded 2-core VM: tools/bench_roundtrip.py). Requests
+that arrive meanwhile queue as before; the worker thread takes them when that batch is done, and
+runs batches back to back under load, so the GPU never waits for a thread to wake between them.
+
     worker = BatchWorker(run_batch, max_batch=32, lock=registry.compute_lock)
     result = worker.submit(payload, received=time.monotonic(), deadline=...)   # blocks; raises on error
 
@@ -64,6 +70,7 @@ class BatchWorker:
         self._queue: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._stop = False
+        self._busy = False                    # a batch is running (in the worker or inline in a submitter)
         self._thread: threading.Thread | None = None
         self._name = name
 
@@ -77,65 +84,92 @@ class BatchWorker:
         with self._cond:
             if self._stop:
                 raise RuntimeError("the batch worker was stopped")
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                self._thread.start()
+            inline = not self._busy and not self._queue   # nothing to wait for: run it here
             self._queue.append(job)
-            self._cond.notify()
+            if inline:
+                self._busy = True
+            else:
+                self._wake_worker()
+        if inline:
+            try:
+                while not job.done.is_set():   # a pending job (a sync in chunks) rides in the next batch too
+                    self._run_one_batch()
+            finally:
+                with self._cond:
+                    self._busy = False
+                    if self._queue:   # what arrived meanwhile: the worker's
+                        self._wake_worker()
         job.done.wait()
         return job
+
+    def _wake_worker(self) -> None:
+        """(With _cond held.) Start the worker thread on first use, or wake it."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+            self._thread.start()
+        self._cond.notify()
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._stop:
+                while (self._busy or not self._queue) and not self._stop:
                     self._cond.wait()
                 if self._stop and not self._queue:
                     return
-            if self.lock is not None:
-                self.lock.acquire()
-            jobs: list[Job] = []
+                self._busy = True
             try:
-                with self._cond:
-                    while self._queue and len(jobs) < self.max_batch:
-                        jobs.append(self._queue.popleft())
-                now = time.monotonic()
-                ready = []
-                for job in jobs:
-                    job.pending = False
-                    if not job.started and job.deadline is not None and now > job.deadline:
-                        job.error = self.expired(job)
-                        self.stats.expired += 1
-                    else:
-                        ready.append(job)
-                for job in ready:
-                    if not job.started:
-                        job.queue_s = now - job.received
-                        job.started = True
-                    job.batch_size = len(ready)
-                if ready:
-                    self.stats.batches += 1
-                    self.stats.jobs += len(ready)
-                    self.stats.largest = max(self.stats.largest, len(ready))
-                    self.stats.sizes[len(ready)] += 1
-                    try:
-                        self.run_batch(ready)
-                    except BaseException as exc:  # noqa: BLE001 - every job of the batch gets the error
-                        for job in ready:
-                            if job.result is None and job.error is None:
-                                job.error = exc
-                    if self.on_batch is not None:
-                        self.on_batch(len(ready), time.monotonic() - now)
+                self._run_one_batch()
             finally:
-                again = [job for job in jobs if job.pending and job.error is None]
-                if again:
-                    with self._cond:
-                        self._queue.extendleft(reversed(again))   # at the head, in their order
-                if self.lock is not None:
-                    self.lock.release()
-                for job in jobs:
-                    if not (job.pending and job.error is None):
-                        job.done.set()
+                with self._cond:
+                    self._busy = False
+
+    def _run_one_batch(self) -> None:
+        """Take up to max_batch queued jobs (under the compute lock) and run them as one batch; the
+        caller has claimed the worker (_busy). Pending jobs go back to the head of the queue."""
+        if self.lock is not None:
+            self.lock.acquire()
+        jobs: list[Job] = []
+        try:
+            with self._cond:
+                while self._queue and len(jobs) < self.max_batch:
+                    jobs.append(self._queue.popleft())
+            now = time.monotonic()
+            ready = []
+            for job in jobs:
+                job.pending = False
+                if not job.started and job.deadline is not None and now > job.deadline:
+                    job.error = self.expired(job)
+                    self.stats.expired += 1
+                else:
+                    ready.append(job)
+            for job in ready:
+                if not job.started:
+                    job.queue_s = now - job.received
+                    job.started = True
+                job.batch_size = len(ready)
+            if ready:
+                self.stats.batches += 1
+                self.stats.jobs += len(ready)
+                self.stats.largest = max(self.stats.largest, len(ready))
+                self.stats.sizes[len(ready)] += 1
+                try:
+                    self.run_batch(ready)
+                except BaseException as exc:  # noqa: BLE001 - every job of the batch gets the error
+                    for job in ready:
+                        if job.result is None and job.error is None:
+                            job.error = exc
+                if self.on_batch is not None:
+                    self.on_batch(len(ready), time.monotonic() - now)
+        finally:
+            again = [job for job in jobs if job.pending and job.error is None]
+            if again:
+                with self._cond:
+                    self._queue.extendleft(reversed(again))   # at the head, in their order
+            if self.lock is not None:
+                self.lock.release()
+            for job in jobs:
+                if not (job.pending and job.error is None):
+                    job.done.set()
 
     def close(self) -> None:
         with self._cond:

@@ -140,6 +140,8 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
     if INTERPRET:  # the CPU interpreter (tests) loops only to a host int: the bucket's maximum
         for it in range(0, MAX_TILES):
             j0 = start + it * BLOCK_N
+            if j0 >= end:   # past the split's keys (a whole tile masked off would change nothing): done
+                break
             if j0 + BLOCK_N <= tl.minimum(end, ctx):  # a Python branch when interpreted
                 blk = _blocks(Tables, b, n_tables, j0, end, BS, BLOCK_N, False, OFF32)
                 m_i, l_i, acc = _tile(q, KV, blk, Bits, m_i, l_i, acc, b, h, t, row_ok, d, ctx, j0, end, qk_scale,

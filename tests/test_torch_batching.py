@@ -69,12 +69,14 @@ def test_batch_worker_deadline_and_errors():
     assert isinstance(jobs["b"].error, RuntimeError) and jobs["b"].batch_size == 1
 
 
-def test_batch_worker_runs_a_lone_request_in_its_own_thread():
-    """Nothing running, nothing queued: the submitter's thread runs the batch (no worker thread, no
-    hand-off). A request arriving meanwhile waits for that batch, never runs beside it, and the worker
-    thread takes it; a pending job (a sync in chunks) rides in the submitter's next batch too."""
+def test_batch_worker_runs_a_lone_sessions_request_in_its_own_thread():
+    """Alone, with nothing running and nothing queued, the submitter's thread runs the batch (no worker
+    thread, no hand-off). A request arriving meanwhile waits for that batch, never runs beside it, and
+    the worker thread takes it; a pending job (a sync in chunks) rides in the submitter's next batch too.
+    Not alone (several sessions), every batch is the worker thread's."""
     ran_in, running, overlap = [], threading.Event(), []
     release = threading.Event()
+    sessions = [1]
 
     def run(jobs):
         if running.is_set():
@@ -84,13 +86,13 @@ def test_batch_worker_runs_a_lone_request_in_its_own_thread():
         if jobs[0].payload == "first":
             release.wait(10)    # hold the batch until the second request is queued
         for j in jobs:
-            if j.payload == "chunked" and j.batch_size and not getattr(j, "chunks", 0):
+            if j.payload == "chunked" and not getattr(j, "chunks", 0):
                 j.chunks, j.pending = 1, True
             else:
                 j.result = j.payload
         running.clear()
 
-    worker = BatchWorker(run, max_batch=4)
+    worker = BatchWorker(run, max_batch=4, alone=lambda: sessions[0] == 1)
     assert worker.submit("alone").result == "alone" and worker._thread is None
     assert ran_in == [(threading.current_thread().name, ["alone"])]
     first = threading.Thread(target=worker.submit, args=("first",), name="submitter-1")
@@ -110,6 +112,9 @@ def test_batch_worker_runs_a_lone_request_in_its_own_thread():
     ran_in.clear()
     job = worker.submit("chunked")
     assert job.result == "chunked" and [r[0] for r in ran_in] == [threading.current_thread().name] * 2
+    sessions[0] = 2
+    ran_in.clear()
+    assert worker.submit("shared").result == "shared" and ran_in == [("edgespec-batcher", ["shared"])]
     worker.close()
 
 

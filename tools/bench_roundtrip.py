@@ -14,7 +14,7 @@ Per step (1-node trees, greedy; medians after 30 warm-up steps), in ms:
   the client's own Python (wall minus its round trip) and the rest (transport, the server's request
   thread: parsing, checks, the compute lock, metrics, the reply);
 - batch worker: what the service's batch worker (verifier/torch/batching.py, the torch backend's
-  path) adds to one session's request beyond its compute, with a compute of `--worker-compute-ms`
+  path) adds to a lone session's request beyond its compute, with a compute of `--worker-compute-ms`
   (default 1.5: a GPU step) spent busy, in this process.
 """
 from __future__ import annotations
@@ -118,7 +118,7 @@ def batch_worker_ms(steps: int, compute_s: float) -> float:
         for job in jobs:
             job.result = True
 
-    worker = BatchWorker(run)
+    worker = BatchWorker(run, alone=lambda: True)   # what the registry says with one stream open
     times = []
     for i in range(steps):
         time.sleep(0.0005)

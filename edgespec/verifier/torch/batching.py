@@ -2,13 +2,16 @@
 every queued request (up to `max_batch`) and runs them as one forward (TorchBackend.verify_many),
 so 32 sessions cost about one batched step instead of 32 serial ones.
 
-A request that finds nothing running and nothing queued runs its batch in its own thread (the
-gRPC handler's), not the worker's: one session's step then pays no hand-off to the worker and back
-(two thread wake-ups, 0.1-0.3 ms a step on a loaded 2-core VM: tools/bench_roundtrip.py). Requests
-that arrive meanwhile queue as before; the worker thread takes them when that batch is done, and
-runs batches back to back under load, so the GPU never waits for a thread to wake between them.
+With `alone` (a callable: whether only one session can send requests now), a request that finds
+nothing running and nothing queued while it is alone runs its batch in its own thread (the gRPC
+handler's), not the worker's: a lone session's step then pays no hand-off to the worker and back
+(two thread wake-ups: 0.09 ms a step on this 2-core VM, tools/bench_roundtrip.py). With several
+sessions every batch is the worker's: a session that ran its request at once would run it alone,
+one forward more for the same requests, where the worker's wake-up lets the others queue for the
+same batch (and where the batch's Python holds the GIL, the others would queue behind it only
+one by one: batches of one for good, in a simulation of 8 sessions).
 
-    worker = BatchWorker(run_batch, max_batch=32, lock=registry.compute_lock)
+    worker = BatchWorker(run_batch, max_batch=32, lock=registry.compute_lock, alone=lambda: streams == 1)
     result = worker.submit(payload, received=time.monotonic(), deadline=...)   # blocks; raises on error
 
 `run_batch(jobs)` sets `job.result` or `job.error` for each job, or `job.pending` for a job that
@@ -58,12 +61,14 @@ class BatchStats:
 
 class BatchWorker:
     def __init__(self, run_batch: Callable[[list[Job]], None], *, max_batch: int = 32, lock: Any = None,
-                 expired: Callable[[Job], BaseException] | None = None, name: str = "edgespec-batcher") -> None:
+                 expired: Callable[[Job], BaseException] | None = None, name: str = "edgespec-batcher",
+                 alone: Callable[[], bool] | None = None) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         self.run_batch = run_batch
         self.max_batch = max_batch
         self.lock = lock
+        self.alone = alone or (lambda: False)
         self.expired = expired or (lambda job: TimeoutError("the request's deadline passed while it was queued"))
         self.stats = BatchStats()
         self.on_batch: Callable[[int, float], None] | None = None
@@ -84,7 +89,7 @@ class BatchWorker:
         with self._cond:
             if self._stop:
                 raise RuntimeError("the batch worker was stopped")
-            inline = not self._busy and not self._queue   # nothing to wait for: run it here
+            inline = not self._busy and not self._queue and self.alone()   # a lone session: run it here
             self._queue.append(job)
             if inline:
                 self._busy = True

@@ -106,9 +106,10 @@ def tcp_echo_ms(steps: int, pause_s: float = 0.0) -> float:
     return 1000 * statistics.median(times[30:])
 
 
-def batch_worker_ms(steps: int, compute_s: float) -> float:
+def batch_worker_ms(steps: int, compute_s: float, alone: bool = True) -> float:
     """Median of BatchWorker.submit's wall time less `compute_s` (spent busy in run_batch), one
-    request at a time with a 0.5 ms pause between them (as a gRPC handler waits for the next one)."""
+    request at a time with a 0.5 ms pause between them (as a gRPC handler waits for the next one);
+    alone: as the registry's worker with one stream open (else every batch in the worker's thread)."""
     from edgespec.verifier.torch.batching import BatchWorker
 
     def run(jobs) -> None:  # noqa: ANN001
@@ -118,7 +119,7 @@ def batch_worker_ms(steps: int, compute_s: float) -> float:
         for job in jobs:
             job.result = True
 
-    worker = BatchWorker(run, alone=lambda: True)   # what the registry says with one stream open
+    worker = BatchWorker(run, alone=lambda: alone)
     times = []
     for i in range(steps):
         time.sleep(0.0005)

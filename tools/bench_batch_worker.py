@@ -5,7 +5,8 @@ does with one stream open) and off (every batch in the worker's thread). No mode
 
     .venv/bin/python tools/bench_batch_worker.py [--compute-ms 1.5] [--sessions 1,8,32] [--seconds 3]
 
-- lone: BatchWorker.submit's cost beyond a busy compute of --compute-ms (ms, median; bench_roundtrip's).
+- lone: BatchWorker.submit's cost beyond a busy compute of --compute-ms (ms, median; bench_roundtrip.py
+  reports it beside the link's costs).
 - sessions: N threads, each submitting its next request 0.3 ms after its last was answered (an edge's
   reply path), the batch's compute 1.5 ms + 0.1 ms a request, either asleep (releases the GIL, as a
   GPU wait does) or busy in Python (holds it): requests/s and the mean batch size.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import threading
 import time
@@ -23,21 +25,40 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_roundtrip import batch_worker_ms  # noqa: E402
 from edgespec.verifier.torch.batching import BatchWorker  # noqa: E402
+
+
+def spin(seconds: float) -> None:
+    """Busy for `seconds` in Python (holding the GIL)."""
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        pass
+
+
+def batch_worker_ms(steps: int, compute_s: float, alone: bool = True) -> float:
+    """Median of BatchWorker.submit's wall time less `compute_s` (spent busy in run_batch), one
+    request at a time with a 0.5 ms pause between them (as a gRPC handler waits for the next one);
+    alone: as the registry's worker with one stream open (else every batch in the worker's thread)."""
+    def run(jobs) -> None:  # noqa: ANN001
+        spin(compute_s)
+        for job in jobs:
+            job.result = True
+
+    worker = BatchWorker(run, alone=lambda: alone)
+    times = []
+    for i in range(steps):
+        time.sleep(0.0005)
+        t = time.perf_counter()
+        worker.submit(i)
+        times.append(time.perf_counter() - t - compute_s)
+    worker.close()
+    return 1000 * statistics.median(times[30:])
 
 
 def sessions_run(n: int, seconds: float, holds_gil: bool, alone: bool) -> dict:
     """n sessions against one worker for `seconds`: requests/s and the mean batch size."""
-    def compute(s: float) -> None:
-        if not holds_gil:
-            time.sleep(s)
-            return
-        t = time.perf_counter()
-        while time.perf_counter() - t < s:
-            pass
+    compute = spin if holds_gil else time.sleep
 
     def run(jobs) -> None:  # noqa: ANN001
         compute(0.0015 + 0.0001 * len(jobs))

@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench_batch_worker import batch_worker_ms  # noqa: E402 - the batch worker's own cost, beside the link's
 from edgespec.common import modelstore  # noqa: E402
 from edgespec.common.sampling import SamplingParams  # noqa: E402
 from edgespec.common.tree import TokenTree  # noqa: E402
@@ -103,30 +104,6 @@ def tcp_echo_ms(steps: int, pause_s: float = 0.0) -> float:
     client.close()
     server.join(5)
     listener.close()
-    return 1000 * statistics.median(times[30:])
-
-
-def batch_worker_ms(steps: int, compute_s: float, alone: bool = True) -> float:
-    """Median of BatchWorker.submit's wall time less `compute_s` (spent busy in run_batch), one
-    request at a time with a 0.5 ms pause between them (as a gRPC handler waits for the next one);
-    alone: as the registry's worker with one stream open (else every batch in the worker's thread)."""
-    from edgespec.verifier.torch.batching import BatchWorker
-
-    def run(jobs) -> None:  # noqa: ANN001
-        t = time.perf_counter()
-        while time.perf_counter() - t < compute_s:
-            pass
-        for job in jobs:
-            job.result = True
-
-    worker = BatchWorker(run, alone=lambda: alone)
-    times = []
-    for i in range(steps):
-        time.sleep(0.0005)
-        t = time.perf_counter()
-        worker.submit(i)
-        times.append(time.perf_counter() - t - compute_s)
-    worker.close()
     return 1000 * statistics.median(times[30:])
 
 

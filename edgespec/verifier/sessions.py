@@ -193,7 +193,7 @@ class SessionRegistry:
         self.batcher: BatchWorker | None = None
         if callable(getattr(backend, "verify_many", None)) and max_batch > 1:
             self.batcher = BatchWorker(self._run_verify_batch, max_batch=max_batch, lock=self.compute_lock,
-                                       alone=lambda: len(self._streams) <= 1,   # one edge: no hand-off
+                                       alone=lambda: self.open_streams <= 1,   # one edge: no hand-off
                                        expired=lambda job: DeadlineExceededError(
                                            f"the request waited {(time.monotonic() - job.received) * 1000:.0f} ms "
                                            "for the compute worker, over its deadline"))

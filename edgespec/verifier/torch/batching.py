@@ -5,7 +5,7 @@ so 32 sessions cost about one batched step instead of 32 serial ones.
 With `alone` (a callable: whether only one session can send requests now), a request that finds
 nothing running and nothing queued while it is alone runs its batch in its own thread (the gRPC
 handler's), not the worker's: a lone session's step then pays no hand-off to the worker and back
-(two thread wake-ups: 0.09 ms a step on this 2-core VM, tools/bench_roundtrip.py). With several
+(two thread wake-ups: 0.09 ms a step on this 2-core VM, tools/bench_batch_worker.py). With several
 sessions every batch is the worker's: a session that ran its request at once would run it alone,
 one forward more for the same requests, where the worker's wake-up lets the others queue for the
 same batch (where the batch's Python holds the GIL, the others would queue behind it only one by

@@ -258,7 +258,10 @@ def test_a_loaded_replica_shrinks_the_planners_trees_and_shows_in_the_fleet_metr
         # the fleet's aggregate metrics show the load, and a new session goes to the idle replica
         m = link.fleet.metrics()
         rows = {r["address"]: r for r in m["replicas"]}
-        assert rows[addrs[home]]["open_streams"] == 3 and rows[addrs[home]]["edge_queue_ms"] > 50, m
+        # the fleet's queue is a running average too (the planner's lag, above): the same relative bound
+        # (CI, 2026-12-05: 34 ms once, under load, where the last steps queued more than 50 ms)
+        assert rows[addrs[home]]["open_streams"] == 3, m
+        assert rows[addrs[home]]["edge_queue_ms"] > max(25, 5 * 1000 * idle_q), (m, idle_q)
         assert m["totals"]["max_edge_queue_ms"] == rows[addrs[home]]["edge_queue_ms"] and m["totals"]["edge_steps"] \
             == len(sent), m["totals"]
         # a new session whose hash prefers the busy replica is placed on the idle one

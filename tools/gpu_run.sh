@@ -86,9 +86,9 @@ case $phase in
     # table entries, not this phase): wqkv on linear_rows at 17-64 rows with RoPE in its epilogue (one PDL chain a layer),
     # L2 warming up to 64 rows and w2 with 8 stages adopted together (1 x 64 -7.9 %, 4 x 16 -7.3 %); PREFETCH_TILES=2
     # (0.2-1.0 %, noise), 32 attention splits (1 x 16 -1.2 %, 1 x 64 +6.8 %) and every neighbouring matmul config
-    # within noise or slower. Pending (not timed yet): the small-rows kernel past 64 rows, where every matmul is
-    # cuBLAS's and no kernel launches with PDL (8 x 16 is 3.2x its floor): '%...r128=...' table entries with
-    # !LINEAR_ROWS_MAX=128:PDL=128:L2_WARM_ROWS=128 (tests/test_torch_triton.py checks the kernel there). Otherwise the
+    # within noise or slower. The twenty-sixth session's: the small-rows kernel past 64 rows
+    # (--small-rows-matmul 128 with '%...r128=...' entries and LINEAR_ROWS_MAX=128; with or without PDL=128 and
+    # L2_WARM_ROWS=128, or wqkv and wo alone) 3-9 % slower than cuBLAS at 128 rows (4 x 32, 8 x 16): not adopted. Otherwise the
     # phase times the defaults; add a variant as 'triton,triton!KNOB=V' (with the pdl check for PDL or TRIGGER,
     # l2_warm for L2_WARM).
     EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,capacity,mixed,hf,matmuls \

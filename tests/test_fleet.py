@@ -227,7 +227,8 @@ def test_a_loaded_replica_shrinks_the_planners_trees_and_shows_in_the_fleet_metr
         # the planner's queue is a running average (0.2 weight a step) that started at the idle queue, so after a
         # few busy steps it lags their mean: bounded relative to the idle queue too (CI, 2026-12-02: 46 ms
         # after a 28-token answer, where the last steps queued more than 50 ms)
-        assert snap["verifier_queue_ms"] > max(25, 5 * 1000 * idle_q) and snap["load_factor"] > 1.05, snap
+        lagged_floor_ms = max(25, 5 * 1000 * idle_q)   # what a running average of the busy queue at least reaches
+        assert snap["verifier_queue_ms"] > lagged_floor_ms and snap["load_factor"] > 1.05, snap
         # Smaller trees because of the queue: the planner as it was on the idle replica, given the queue
         # it measured on the busy one (nothing else changed), rates every bigger tree lower against
         # the smallest drafted one (chain2) and never chooses a bigger tree; a strictly smaller one
@@ -258,10 +259,10 @@ def test_a_loaded_replica_shrinks_the_planners_trees_and_shows_in_the_fleet_metr
         # the fleet's aggregate metrics show the load, and a new session goes to the idle replica
         m = link.fleet.metrics()
         rows = {r["address"]: r for r in m["replicas"]}
-        # the fleet's queue is a running average too (the planner's lag, above): the same relative bound
-        # (CI, 2026-12-05: 34 ms once, under load, where the last steps queued more than 50 ms)
+        # the fleet's queue is a running average too (the planner's lag, above): the same bound (a clean-clone
+        # run, 2026-12-05: 34 ms once, under load, against the 50 ms this asserted before)
         assert rows[addrs[home]]["open_streams"] == 3, m
-        assert rows[addrs[home]]["edge_queue_ms"] > max(25, 5 * 1000 * idle_q), (m, idle_q)
+        assert rows[addrs[home]]["edge_queue_ms"] > lagged_floor_ms, (m, idle_q)
         assert m["totals"]["max_edge_queue_ms"] == rows[addrs[home]]["edge_queue_ms"] and m["totals"]["edge_steps"] \
             == len(sent), m["totals"]
         # a new session whose hash prefers the busy replica is placed on the idle one

@@ -2,7 +2,8 @@
 an H100/H200 (sm_90) with the launch path the forward uses, carries the wait and the early launch
 with PDL on (or the launch where knob TRIGGER puts it), and nothing touches memory before the wait but
 L2 prefetches of weights: no store (a kernel that still runs may read what this one overwrites) and no
-load. Triton's own compiler and ptxas run on this CPU machine; the launches are intercepted (no GPU
+load (with knobs EARLY_INDEX / PREFETCH_KEYS the attention also reads the host's lengths and block tables and
+prefetches older context K/V first: tested on its own). Triton's own compiler and ptxas run on this CPU machine; the launches are intercepted (no GPU
 here), so the arguments are exactly those the wrappers pass.
 
 The compile runs in a child process without TRITON_INTERPRET (tests/conftest.py sets it for the
@@ -42,10 +43,13 @@ def test_pdl_is_a_knob_and_stays_off_without_a_gpu_that_has_it():
     assert pdl.triton_has_pdl()   # the pinned Triton (constraints/ci.txt) has it: the GPU host runs the same
 
 
-def _probe(gdc: int) -> dict[str, dict]:
-    """Compile every forward kernel as launched with GDC = `gdc` (0: PDL off; 1 + pdl.TRIGGER)."""
+def _probe(gdc: int, kernel_knobs: str = "") -> dict[str, dict]:
+    """Compile every forward kernel as launched with GDC = `gdc` (0: PDL off; 1 + pdl.TRIGGER), with the
+    kernel knobs `kernel_knobs` ("NAME=V,...") set in the child."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env[knobs.ENV] = kernel_knobs
     out = subprocess.run([sys.executable, __file__, str(int(gdc))], capture_output=True, text=True, timeout=600,
-                         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+                         env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -63,6 +67,29 @@ def test_every_forward_kernel_waits_before_touching_what_earlier_kernels_write()
         assert seen["stores_before_wait"] == 0 and seen["loads_before_wait"] == 0, (name, seen)
         # the weights' lines are on their way to L2 while the previous kernel finishes
         assert (seen["prefetches_before_wait"] > 0) == (name in PREFETCH), (name, seen)
+
+
+def test_early_index_and_context_prefetch_read_only_what_no_kernel_of_the_step_writes():
+    """TritonPagedAttention.EARLY_INDEX / PREFETCH_KEYS: the split kernel reads the sequence's length and its
+    first block ids (the host's copies) before the wait, and with PREFETCH_KEYS asks L2 for context K/V lines
+    (older steps' rows; a prefetch changes no value); still no store before the wait. The other kernels are
+    as without the knobs."""
+    plain = _probe(1)
+    early = _probe(1, "EARLY_INDEX=1")
+    prefetched = _probe(1, "PREFETCH_KEYS=128")
+    for name in plain:
+        if name == "_tree_attn_split":
+            continue
+        assert early[name] == plain[name] == prefetched[name], name
+    base, e, p = plain["_tree_attn_split"], early["_tree_attn_split"], prefetched["_tree_attn_split"]
+    assert base["loads_before_wait"] == 0 and base["prefetches"] == 0, base
+    for seen in (e, p):
+        assert seen["wait"] == 1 and seen["launch_dependents"] == 1 and seen["stores_before_wait"] == 0, seen
+        # the length, then the first tile's block ids (one load each in every thread's share of them)
+        assert 2 <= seen["loads_before_wait"] <= 8, seen
+    assert e["prefetches"] == 0, e
+    assert p["prefetches_before_wait"] == p["prefetches"] > 0, p   # K and V lines, all before the wait
+    assert p["loads_before_wait"] > e["loads_before_wait"], p         # + the prefetched keys' block ids
 
 
 def test_a_late_trigger_moves_the_launch_after_the_main_loop():

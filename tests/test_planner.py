@@ -430,3 +430,41 @@ def test_an_untried_wide_shape_is_priced_with_the_row_cost_wide_shapes_measured(
     assert abs(p._seconds(rungs["tree16"], True) - priced) < 1e-9
     assert p.choose().label in ("chain4", "tree8") and not p.exploring
     assert abs(p._wide_row_cost(optimistic=False)[1] - row_cost) < 1e-9   # one wide shape: the mean is it
+
+
+def test_a_request_tries_a_bigger_shape_only_while_what_is_left_can_pay_for_it():
+    """A tree accepted to its depth tries the next shape up (begin_request), but the try may cost at most
+    TRY_SHARE of the request's remaining time over a step of the current shape: on a 64-token prose answer at 100
+    ms RTT (H200 host, twenty-sixth session) the climb to tree32 and tree64 cost ~0.6 s of a 5 s answer. The same
+    try is made in a long answer, and in an open-ended run, where the rest of it can pay the try back."""
+    from edgespec.edge.planner import TRY_SHARE
+
+    def step(p, label, nodes, accepted):   # 100 ms away, a 25 ms drafting decode, one per depth
+        p.observe(StepObservation(nodes=nodes, draft_s=0.025 * nodes, draft_decodes=nodes, network_s=0.1,
+                                  bytes_up=48 + 8 * nodes, verify_s=0.002, queue_s=0.0, scores=np.full(nodes, 0.3),
+                                  accepted=np.arange(nodes) < accepted, depths=np.arange(1, nodes + 1), shape=label,
+                                  wall_s=0.1 + 0.025 * nodes))
+
+    def climbed(max_tokens):
+        p = Planner(ladder=(TreeShape.target_only(), TreeShape.chain(2), TreeShape.chain(4)))
+        p.begin_request()
+        for _ in range(4):   # prose: chain4 realized 1 token a step
+            step(p, "chain4", 4, 0)
+        p.begin_request(max_tokens)
+        for _ in range(2):   # code: chain2 accepted whole
+            step(p, "chain2", 2, 2)
+        assert p._try_next == 2                                # accepted to its depth: chain4 is next
+        return p, p.choose()
+
+    p, best = climbed(None)
+    assert best.label == "chain4" and p.exploring            # open-ended: tried
+    p, best = climbed(2000)
+    assert best.label == "chain4" and p.exploring            # a long answer: tried
+    assert p.request_left == 2000 - 2 * 3                    # each step took 1 + accepted tokens off
+    p, best = climbed(6 + 5)
+    assert best.label == "chain2" and not p.exploring        # 5 tokens left: the try cannot pay back
+    # the rule: the try's extra seconds over a step of the best shape, against TRY_SHARE of what is left
+    rates = [t / p._seconds(i) for i, t in enumerate(p._tokens_by_rung)]
+    assert int(np.argmax(rates)) == 1
+    extra = p._seconds(2) - p._seconds(1)
+    assert TRY_SHARE * 5 / rates[1] < extra <= TRY_SHARE * 100 / rates[1]   # 100 tokens left would pay it

@@ -350,9 +350,11 @@ def same_steps_under(settings: list[dict[str, int]], context: int = 300) -> dict
 
 def check_pdl() -> dict:
     """pdl.PDL (programmatic dependent launch) against plain launches, with the next kernel's launch at each
-    place pdl.TRIGGER can put it: the kernels are the same code with a wait at their start; a kernel reading
-    before its producer's writes are visible would show here."""
-    return same_steps_under([{"PDL": 0}] + [{"PDL": 1 << 20, "TRIGGER": t} for t in (0, 1, 2)])
+    place pdl.TRIGGER can put it, and with the attention's reads before its wait (EARLY_INDEX, PREFETCH_KEYS):
+    the kernels are the same code with a wait at their start; a kernel reading before its producer's writes
+    are visible would show here."""
+    return same_steps_under([{"PDL": 0}] + [{"PDL": 1 << 20, "TRIGGER": t} for t in (0, 1, 2)]
+                            + [{"PDL": 1 << 20, "EARLY_INDEX": 1}, {"PDL": 1 << 20, "PREFETCH_KEYS": 128}])
 
 
 def check_l2_warm() -> dict:

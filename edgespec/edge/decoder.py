@@ -139,7 +139,7 @@ class Decoder:
         """Yields the tokens committed by each target step (end-of-generation token excluded)."""
         committed = self.committed = list(prompt)  # a new list: verifiers see a new context
         if self.planner is not None:
-            self.planner.begin_request()
+            self.planner.begin_request(max_tokens)
         started = time.perf_counter()
         if self.drafts_ahead:  # prefill both models at once (the verifier on its own thread or host)
             with self._on_verify_thread(self.verifier.sync, committed) as synced:

@@ -58,6 +58,11 @@ DEPTH_PRIOR = 4.0          # pseudo-observations pulling a depth's correction to
 # the 0.5B draft on one core of the 2-core box: 50 ms for one row, 286 ms for eight.
 WIDE_ROW_COST = 0.75
 REALIZED_WINDOW = 8        # realized tokens per rung: a running mean over about this many steps
+# A request's one-off try of a bigger shape (begin_request; a tree accepted to its depth) may cost at most this share
+# of what is left of the request at the current rate, over a step of the current choice. Uncapped, prose at 100 ms
+# RTT on the H200 host climbed tree8, tree16, tree32 and tree64 in a 64-token answer (one tree64 is ten 8-row
+# decodes, ~0.5 s) and ran 10 % behind fixed chain4 (docs/BENCHMARKS.md, twenty-sixth session's e2e)
+TRY_SHARE = 0.1
 REQUEST_EVIDENCE = 4       # path nodes a request must have tried before its acceptance prices other shapes
 # A draft model that prefilled more committed tokens than this before drafting a tree was catching up (after turns
 # a router arm without it ran, or a resync), not drafting: that step's time would price every decode as a prefill
@@ -209,6 +214,7 @@ class Planner:
     # path stopped at depth k < its depth tried k + 1 nodes), for the shapes it has not drafted yet
     _request_path: list[int] = field(default_factory=lambda: [0, 0], repr=False)
     requests: int = 0        # begin_request calls (0: one open-ended run, no per-request figures)
+    request_left: int | None = None   # tokens the current request may still produce (None: open-ended)
 
     # -- learning -----------------------------------------------------------------------------
     def observe(self, obs: StepObservation) -> None:
@@ -219,6 +225,8 @@ class Planner:
         self.network.add(obs.bytes_up, obs.network_s)
         self.queue_s = 0.8 * self.queue_s + 0.2 * obs.queue_s
         self.verify.add(obs.nodes + 1, obs.verify_s)
+        if self.request_left is not None:
+            self.request_left = max(0, self.request_left - 1 - int(obs.accepted.sum()))
         if obs.draft_decodes == 0:  # target-only: only link and verifier figures are news
             return
         self._tokens_by_rung = None
@@ -352,15 +360,17 @@ class Planner:
         return float(a), float(a_sibling)
 
     # -- decisions ----------------------------------------------------------------------------
-    def begin_request(self) -> None:
+    def begin_request(self, max_tokens: int | None = None) -> None:
         """A new prompt: acceptance depends on the text, so what each shape realized on earlier
         requests is only a default. This request's first tree of a shape replaces it (observe),
         and when plain target decoding is the choice, the first step tries the smallest drafted
         shape (if it could pay at all); a tree accepted to its depth then tries the next shape up
         once. So a code prompt after prose finds out that drafting pays, and a prose prompt pays for
         one small tree. Measured on the 2-core box (2026-12-01): after a prose prompt the planner
-        decoded a whole HumanEval answer target-only (1.00x cloud AR) where chain4 ran 1.74x."""
+        decoded a whole HumanEval answer target-only (1.00x cloud AR) where chain4 ran 1.74x.
+        max_tokens: the most the request may produce; each such try then costs at most TRY_SHARE of what is left."""
         self.requests += 1
+        self.request_left = max_tokens
         self._request_trees = {}
         self._request_path = [0, 0]
         self._tokens_by_rung = None
@@ -391,7 +401,8 @@ class Planner:
         if self.steps:
             n, self._try_next = self._try_next, None
         if (n is not None and best < n < len(self.ladder) and not learning    # begin_request / a full tree
-                and tree_tokens(self.ladder[n], *OPTIMISTIC_ACCEPTANCE) / seconds(n, True) > rates[best]):
+                and tree_tokens(self.ladder[n], *OPTIMISTIC_ACCEPTANCE) / seconds(n, True) > rates[best]
+                and self._try_affordable(n, best, rates[best], seconds)):
             self.explore_seconds += seconds(n, False)
             best, self.exploring = n, True
         elif len(self.ladder) > 1 and self.steps > 0 and self.steps % self.explore_every == 0:
@@ -411,6 +422,15 @@ class Planner:
                 self.explore_seconds += cost
         self.last_choice = best
         return self.ladder[best]
+
+    def _try_affordable(self, n: int, best: int, best_rate: float, seconds: Callable[[int, bool], float]) -> bool:
+        """Whether a request's try of rung n costs, over a step of rung `best`, at most TRY_SHARE of the
+        request's remaining time at the best rate (always, for an open-ended request). What a try can win is a
+        share of what is left: near the end of an answer, or in a short one, a wide tree's try cannot pay back."""
+        if self.request_left is None:
+            return True
+        extra = seconds(n, False) - seconds(best, False)
+        return extra <= TRY_SHARE * self.request_left / max(best_rate, 1e-9)
 
     def _seconds(self, rung: int, optimistic: bool = False) -> float:
         """A rung's predicted step time, with its own measured drafting cost once it has one.

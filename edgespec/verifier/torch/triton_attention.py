@@ -23,7 +23,7 @@ import triton.language as tl
 
 from edgespec.verifier.torch import pdl
 from edgespec.verifier.torch.fused import launch_fitting
-from edgespec.verifier.torch.pdl import gdc_enter, gdc_release
+from edgespec.verifier.torch.pdl import gdc_enter, gdc_release, prefetch_l2
 from edgespec.verifier.torch.tree_ops import pack_ancestor_bits
 
 
@@ -60,6 +60,22 @@ def _tree_bits(Bits, b, t, row_ok, rel0, rel, in_tree, T, W, BLOCK_N: tl.constex
         word = tl.load(row_words + w_lo + k, mask=row_ok & (w_lo + k < W), other=0)
         picked = tl.where((widx == w_lo + k)[None, :], word[:, None], picked)
     return (picked >> (rel & 31)[None, :]) & 1
+
+
+@triton.jit
+def _prefetch_context(KV, Tables, b, h, n_tables, start, stop, kv_stride_kv, H_KV: tl.constexpr, D: tl.constexpr,
+                      BS: tl.constexpr, KEYS: tl.constexpr, LINE_ELEMS: tl.constexpr, GDC: tl.constexpr):
+    """Ask L2 for the K and V lines of keys start..start+KEYS-1 (below `stop`) of KV head h: issued before
+    the PDL wait, so the key loop's first loads hit L2 instead of waiting on HBM. A prefetch changes no value."""
+    j = start + tl.arange(0, KEYS)
+    ok = j < stop
+    blk = tl.load(Tables + b * n_tables + j // BS, mask=ok, other=0)
+    row = ((blk * BS + j % BS) * H_KV + h) * D   # the key's K row, in elements (64-bit: the offsets are not hot)
+    lines = tl.arange(0, D // LINE_ELEMS) * LINE_ELEMS
+    offsets = row[:, None] + lines[None, :]
+    mask = ok[:, None] & (lines >= 0)[None, :]
+    prefetch_l2(KV, offsets, mask, GDC)
+    prefetch_l2(KV + kv_stride_kv, offsets, mask, GDC)
 
 
 @triton.jit
@@ -103,8 +119,10 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
                      MAX_TILES: tl.constexpr, INTERPRET: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr,
                      D: tl.constexpr, BS: tl.constexpr,
                      NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     M_FIRST: tl.constexpr, TREE_SPLIT: tl.constexpr, OFF32: tl.constexpr, GDC: tl.constexpr):
-    gdc_enter(GDC)
+                     M_FIRST: tl.constexpr, TREE_SPLIT: tl.constexpr, OFF32: tl.constexpr, GDC: tl.constexpr,
+                     EARLY_INDEX: tl.constexpr, PREFETCH_KEYS: tl.constexpr, LINE_ELEMS: tl.constexpr):
+    if not EARLY_INDEX:
+        gdc_enter(GDC)
     if M_FIRST:   # the query tiles of one (sequence, KV head) side by side: they read the same K/V
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(2)
@@ -125,6 +143,15 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
         start = pid_s * per_split * BLOCK_N
         end = tl.minimum(start + per_split * BLOCK_N, n_keys)
 
+    if EARLY_INDEX:
+        # Before the PDL wait, what no kernel of this step writes (EARLY_INDEX): the lengths and block tables
+        # are the host's copies, the context's K/V older steps' (this step's tree rows lie past ctx). The wait
+        # then leads straight to the query load; PREFETCH_KEYS asks L2 for the split's first context keys
+        blk_first = _blocks(Tables, b, n_tables, start, end, BS, BLOCK_N, True, OFF32)
+        if PREFETCH_KEYS:
+            _prefetch_context(KV, Tables, b, h, n_tables, start, tl.minimum(end, ctx), kv_stride_kv,
+                              H_KV, D, BS, PREFETCH_KEYS, LINE_ELEMS, GDC)
+        gdc_enter(GDC)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < G * T
     t = rows // G
@@ -155,7 +182,10 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
         plain = tl.maximum(tl.minimum(end, ctx) - start, 0) // BLOCK_N
         # each tile's block ids are loaded one tile early: its K/V loads need not wait for them (H200,
         # 2026-12-01: 1.69 -> 1.36 ms at 8 x 32768, 0.36 -> 0.30 at 8 x 4096 against a load per tile)
-        blk = _blocks(Tables, b, n_tables, start, end, BS, BLOCK_N, True, OFF32)
+        if EARLY_INDEX:
+            blk = blk_first
+        else:
+            blk = _blocks(Tables, b, n_tables, start, end, BS, BLOCK_N, True, OFF32)
         for it in range(0, plain):
             j0 = start + it * BLOCK_N
             ahead = _blocks(Tables, b, n_tables, j0 + BLOCK_N, end, BS, BLOCK_N, True, OFF32)
@@ -240,6 +270,13 @@ class TritonPagedAttention:
                             # slower (8 x 16) and the BASELINES shapes 10-33 % slower with the default tiles; only
                             # 8 x 32768 with 128 x 64 tiles, 8 warps, 3 stages gained (4 %).
 
+    EARLY_INDEX = 0         # 1: with PDL, each split program reads the sequence's length and its first block ids before
+                            # the wait for the kernel before it (RoPE / wqkv), not after: neither is written in the step
+    PREFETCH_KEYS = 0       # with PDL, ask L2 for the K/V lines of each split's first PREFETCH_KEYS context keys before
+                            # that wait (a power of two; 0: none; implies EARLY_INDEX). The context's K/V is HBM-cold
+                            # by then (a step streams ~3 GB of weights through L2), and at 1 x 64 a split is 2-3 key
+                            # tiles whose loads wait on HBM one after another
+
     def tile_config(self, rows: int, split_keys: int) -> tuple[int, int, int]:
         """(BLOCK_M, BLOCK_N, stages) for `rows` query rows per (sequence, KV head) and about
         `split_keys` keys per program. 64-row tiles for tall query groups, short ones for a handful
@@ -315,6 +352,8 @@ class TritonPagedAttention:
         W = self.bits.shape[2]
         grid = (m_tiles, ns, B * Hkv) if self.M_FIRST else (B * Hkv, ns, m_tiles)
         gdc = pdl.launch_args(q.device, B * T)
+        early = bool(gdc["GDC"] and (self.EARLY_INDEX or self.PREFETCH_KEYS))   # only where there is a wait
+        prefetch = triton.next_power_of_2(self.PREFETCH_KEYS) if early and self.PREFETCH_KEYS else 0
         launch_fitting(   # (fewer stages where a smaller GPU's shared memory cannot hold the tiles' pipeline)
             _tree_attn_split, grid, q, cache, self.tables, self.ctx, self.bits, acc, m, l_, out,
             1.0 / math.sqrt(D), cache.stride(0), self.tables.shape[1], T, G, W, MT,
@@ -323,6 +362,7 @@ class TritonPagedAttention:
                           triton.cdiv(T, block_n) if self.TREE_SPLIT else 0) + 1 if INTERPRET else 0,
             INTERPRET=INTERPRET, H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=block_m, BLOCK_N=block_n,
             M_FIRST=bool(self.M_FIRST), TREE_SPLIT=bool(self.TREE_SPLIT), OFF32=cache.numel() < 2 ** 31,
+            EARLY_INDEX=early, PREFETCH_KEYS=prefetch, LINE_ELEMS=128 // cache.element_size(),
             num_warps=self.NUM_WARPS, num_stages=stages, **gdc)
         if ns > 1:
             rows = self.merge_rows(B * T)

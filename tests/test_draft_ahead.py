@@ -183,14 +183,25 @@ def test_the_planner_gets_a_timed_draft_decode_while_the_verifier_prefills(smol_
     timed = []
     calibrate = decoder.planner.calibrate_draft
     decoder.planner.calibrate_draft = lambda s: (timed.append(s), calibrate(s))
+    outs, traces = [], []
     try:
-        outs = [[t for chunk in decoder.run(prompt, 12, GREEDY) for t in chunk] for _ in range(2)]   # two requests
+        for _ in range(2):   # two requests, each step traced (SessionStats.trace)
+            stats.trace = []
+            outs.append([t for chunk in decoder.run(prompt, 12, GREEDY) for t in chunk])
+            traces.append(stats.trace)
     finally:
         decoder.close()
         verifier.close()
         drafter.close()
     assert len(timed) == 1 and 0 < timed[0] < 0.5                 # once, and within the upload
     assert decoder.planner.draft_calibrated
+    # the trace: one record a step, adding up to the counters; the planner counted the request's tokens down
+    steps = [r for trace in traces for r in trace]
+    assert len(steps) == stats.steps and sum(r["accepted"] for r in steps) == stats.accepted
+    assert {label: sum(r["shape"] == label for r in steps) for label in stats.shapes} == stats.shapes
+    assert all(0 <= r["draft_ms"] <= r["wall_ms"] and r["accepted"] <= r["nodes"] for r in steps)
+    assert decoder.planner.requests == 2
+    assert decoder.planner.request_left == max(0, 12 - sum(1 + r["accepted"] for r in traces[1]))
     ref = target_only_greedy(smol_model, prompt, 12)
     for out in outs:
         assert_lossless(out + ([smol_model.eos] if len(out) < 12 else []), ref, "timed draft decode")

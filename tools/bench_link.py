@@ -268,11 +268,16 @@ def one_run(session, prompt: list[int], max_tokens: int) -> tuple[dict, list[int
     before = {k: getattr(stats, k) for k in keys} | {"link_" + k: getattr(link, k) for k in lkeys}
     shapes_before = dict(stats.shapes)
     out: list[int] = []
-    for tokens in session.generate_tokens(prompt, max_tokens, SamplingParams(temperature=0.0)):
-        out.extend(tokens)
+    stats.trace = []
+    try:
+        for tokens in session.generate_tokens(prompt, max_tokens, SamplingParams(temperature=0.0)):
+            out.extend(tokens)
+    finally:
+        trace, stats.trace = stats.trace, None
     after = {k: getattr(stats, k) for k in keys} | {"link_" + k: getattr(link, k) for k in lkeys}
     delta = {k: after[k] - before[k] for k in before}
     delta["shapes"] = {k: n - shapes_before.get(k, 0) for k, n in stats.shapes.items() if n > shapes_before.get(k, 0)}
+    delta["trace"] = trace
     return delta, out
 
 
@@ -388,7 +393,7 @@ def run(args: argparse.Namespace) -> dict:
                                 if k == "shapes":
                                     for label, n in v.items():
                                         c.shapes[label] = c.shapes.get(label, 0) + n
-                                else:
+                                elif k != "trace":   # per step: kept in the run's record only
                                     setattr(c, k, getattr(c, k) + v)
                             c.relay_bytes_up += r1["bytes_up"] - r0["bytes_up"]
                             c.relay_bytes_down += r1["bytes_down"] - r0["bytes_down"]

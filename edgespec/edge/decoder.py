@@ -62,6 +62,10 @@ class SessionStats:
     shapes: dict[str, int] = field(default_factory=dict)  # steps per tree shape (TreeShape.label)
     extra: dict = field(default_factory=dict)
     link: Any = None  # edgespec.edge.link.LinkStats when verifying over gRPC (None in local mode)
+    # One record a step while a caller holds a list here (benchmarks; None: nothing kept): the shape, nodes sent,
+    # nodes accepted, whether the tree was drafted ahead, drafting on the critical path and the step's wall time
+    # (ms). The counters say how a run went; this says which choices made it so (the planner's, step by step)
+    trace: list[dict] | None = None
 
     @property
     def tau(self) -> float:
@@ -268,6 +272,10 @@ class Decoder:
         s.draft_seconds += sent - started
         s.verify_seconds += answered - sent
         s.seconds += answered - started
+        if s.trace is not None:
+            s.trace.append({"shape": draft.shape, "nodes": len(draft.tree) - 1, "accepted": len(result.path),
+                            "prepared": prepared, "draft_ms": round(1000 * (sent - started), 2),
+                            "wall_ms": round(1000 * (answered - started), 2)})
         if self.planner is not None:
             accepted = np.zeros(len(draft.tree) - 1, bool)
             accepted[np.array(result.path, int) - 1] = True

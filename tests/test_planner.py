@@ -468,3 +468,32 @@ def test_a_request_tries_a_bigger_shape_only_while_what_is_left_can_pay_for_it()
     assert int(np.argmax(rates)) == 1
     extra = p._seconds(2) - p._seconds(1)
     assert TRY_SHARE * 5 / rates[1] < extra <= TRY_SHARE * 100 / rates[1]   # 100 tokens left would pay it
+
+
+def test_a_tree_accepted_to_its_depth_tries_the_next_shape_at_that_shapes_whole_depth():
+    """After chain2 trees accepted whole, chain4 is worth a try if four accepted nodes would beat chain2, not only
+    if 0.9 a node would: where a chain4 step costs 1.5x a chain2 step (a CPU verifier), a code answer drafted
+    chain2 for nine steps, each accepted whole, before chain4 was tried, which then accepted 4 of 4 six times
+    (2-core box, 2026-12-05). The request's first try of a drafted shape keeps OPTIMISTIC_ACCEPTANCE."""
+    from edgespec.edge.planner import OPTIMISTIC_ACCEPTANCE, tree_tokens
+
+    def step(p, label, nodes, accepted):   # 100 ms away, a CPU verifier (50 ms a node), 40 ms a drafting decode
+        p.observe(StepObservation(nodes=nodes, draft_s=0.04 * nodes, draft_decodes=nodes, network_s=0.1,
+                                  bytes_up=48 + 8 * nodes, verify_s=0.1 + 0.05 * (nodes + 1), queue_s=0.0,
+                                  scores=np.full(nodes, 0.6), accepted=np.arange(nodes) < accepted,
+                                  depths=np.arange(1, nodes + 1), shape=label, wall_s=0.2 + 0.09 * nodes + 0.05))
+
+    p = Planner(ladder=(TreeShape.target_only(), TreeShape.chain(2), TreeShape.chain(4)))
+    p.begin_request()
+    for _ in range(4):   # prose: chain4 accepted one node a tree
+        step(p, "chain4", 4, 1)
+    p.begin_request(200)
+    step(p, "chain2", 2, 2)                                # code: chain2 accepted whole
+    assert p._try_next == 2 and p._try_full
+    rates = [t / p._seconds(i) for i, t in enumerate(
+        [p.expected_tokens(i) for i in range(3)])]
+    assert int(np.argmax(rates)) == 1                      # chain2 is the choice on what is known
+    assert tree_tokens(p.ladder[2], *OPTIMISTIC_ACCEPTANCE) / p._seconds(2, True) < rates[1]   # 0.9 a node: no try
+    assert p.choose() == p.ladder[2] and p.exploring       # four of four could pay: tried
+    step(p, "chain4", 4, 4)
+    assert p.choose() == p.ladder[2]                       # it did: kept

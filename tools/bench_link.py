@@ -632,6 +632,8 @@ def main(argv: list[str] | None = None) -> int:
             plot(res, args.plot)
         print(markdown(res))
         return 0
+    if "ar" not in args.modes.split(","):   # before an hour of runs, not at the tables after them
+        ap.error("--modes must include ar: the tables, the plot and the greedy check compare every mode with cloud-only AR")
     if args.quick:
         args.rtts, args.mbits, args.humaneval, args.spec, args.max_tokens = "20", "100", 1, 0, 16
         if args.plot == REPO / "docs" / "bench" / "link_speedup.png":

@@ -210,6 +210,7 @@ class Planner:
     # the next choice (the request's first drafted shape; one up after a tree accepted to its depth)
     _request_trees: dict[int, int] = field(default_factory=dict, repr=False)
     _try_next: int | None = field(default=None, repr=False)
+    _try_full: bool = field(default=False, repr=False)   # _try_next follows a tree accepted to its depth
     # this request's acceptance along the path: [accepted nodes, nodes the walk tried] (a tree whose
     # path stopped at depth k < its depth tried k + 1 nodes), for the shapes it has not drafted yet
     _request_path: list[int] = field(default_factory=lambda: [0, 0], repr=False)
@@ -265,7 +266,7 @@ class Planner:
             self._request_path[1] += k + (k < deepest)
             # accepted to the shape's full depth (not only a pruned tree's): does the next shape up pay too?
             if self.requests and k >= self.ladder[rung].max_depth and rung + 1 not in self._request_trees:
-                self._try_next = rung + 1
+                self._try_next, self._try_full = rung + 1, True
         first_worse = seen == 0 and count and tokens < mean
         weight = max(1 / min(count + 1, REALIZED_WINDOW), 1 / (seen + 2) if first_worse else 1 / (seen + 1))
         self.realized[rung] = (count + 1, mean + (tokens - mean) * weight)
@@ -374,7 +375,7 @@ class Planner:
         self._request_trees = {}
         self._request_path = [0, 0]
         self._tokens_by_rung = None
-        self._try_next = 1
+        self._try_next, self._try_full = 1, False
 
     def choose(self) -> TreeShape:
         """The ladder shape with the best predicted tokens/second. Every explore_every steps a
@@ -401,7 +402,7 @@ class Planner:
         if self.steps:
             n, self._try_next = self._try_next, None
         if (n is not None and best < n < len(self.ladder) and not learning    # begin_request / a full tree
-                and tree_tokens(self.ladder[n], *OPTIMISTIC_ACCEPTANCE) / seconds(n, True) > rates[best]
+                and self._try_tokens(n) / seconds(n, True) > rates[best]
                 and self._try_affordable(n, best, rates[best], seconds)):
             self.explore_seconds += seconds(n, False)
             best, self.exploring = n, True
@@ -422,6 +423,16 @@ class Planner:
                 self.explore_seconds += cost
         self.last_choice = best
         return self.ladder[best]
+
+    def _try_tokens(self, n: int) -> float:
+        """Tokens a try of rung n could yield at best: after a tree accepted to its depth, rung n's whole depth
+        (what the tree below it just did); else OPTIMISTIC_ACCEPTANCE. Priced at 0.9 a node, a chain4 after
+        chain2 trees accepted whole could not beat them where a chain4 step costs 1.5x a chain2 step (the CPU
+        verifier here): a code answer drafted chain2 for nine steps, each accepted whole, before its path
+        acceptance priced chain4 up, and chain4 then accepted 4 of 4 six times (2-core box, 2026-12-05)."""
+        if self._try_full:
+            return 1.0 + self.ladder[n].max_depth
+        return tree_tokens(self.ladder[n], *OPTIMISTIC_ACCEPTANCE)
 
     def _try_affordable(self, n: int, best: int, best_rate: float, seconds: Callable[[int, bool], float]) -> bool:
         """Whether a request's try of rung n costs, over a step of rung `best`, at most TRY_SHARE of the

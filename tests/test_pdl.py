@@ -3,8 +3,8 @@ an H100/H200 (sm_90) with the launch path the forward uses, carries the wait and
 with PDL on (or the launch where knob TRIGGER puts it), and nothing touches memory before the wait but
 L2 prefetches of weights: no store (a kernel that still runs may read what this one overwrites) and no
 load (with knobs EARLY_INDEX / PREFETCH_KEYS the attention also reads the host's lengths and block tables and
-prefetches older context K/V first: tested on its own). Triton's own compiler and ptxas run on this CPU machine; the launches are intercepted (no GPU
-here), so the arguments are exactly those the wrappers pass.
+prefetches older context K/V first: tested on its own). Triton's own compiler and ptxas run on this CPU
+machine; the launches are intercepted (no GPU here), so the arguments are exactly those the wrappers pass.
 
 The compile runs in a child process without TRITON_INTERPRET (tests/conftest.py sets it for the
 interpreter tests, and an interpreted kernel cannot be compiled)."""

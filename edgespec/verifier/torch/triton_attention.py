@@ -73,9 +73,8 @@ def _prefetch_context(KV, Tables, b, h, n_tables, start, stop, kv_stride_kv, H_K
     row = ((blk * BS + j % BS) * H_KV + h) * D   # the key's K row, in elements (64-bit: the offsets are not hot)
     lines = tl.arange(0, D // LINE_ELEMS) * LINE_ELEMS
     offsets = row[:, None] + lines[None, :]
-    mask = ok[:, None] & (lines >= 0)[None, :]
-    prefetch_l2(KV, offsets, mask, GDC)
-    prefetch_l2(KV + kv_stride_kv, offsets, mask, GDC)
+    prefetch_l2(KV, offsets, ok[:, None], GDC)   # (prefetch_l2's where broadcasts the key mask over the lines)
+    prefetch_l2(KV + kv_stride_kv, offsets, ok[:, None], GDC)
 
 
 @triton.jit

@@ -109,6 +109,36 @@ def test_a_closed_context_or_model_raises_instead_of_crashing(smol_path, prompt)
         TreeContext(model, ContextConfig(n_ctx=256))
 
 
+@pytest.mark.parametrize("where", ["model:weakref", "model:llama_model_n_layer", "context:llama_get_memory"])
+def test_an_interrupt_inside_init_leaves_an_object_that_closes_cleanly(smol_path, monkeypatch, where):
+    """A Ctrl-C while `edgespec run` loads is raised at the first call after the C call returns
+    (CI saw `AttributeError: _contexts` from __del__): the half-built object must close and free."""
+    import types
+
+    from edgespec.runtime import llama
+    from edgespec.runtime.llama import LlamaModel
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    kind, name = where.split(":")
+    model = LlamaModel(smol_path) if kind == "context" else None
+    if name == "weakref":
+        monkeypatch.setattr(llama, "weakref", types.SimpleNamespace(WeakSet=interrupt))
+    else:
+        monkeypatch.setattr(llama.C, name, interrupt)
+    cls = LlamaModel if kind == "model" else TreeContext
+    half = cls.__new__(cls)
+    with pytest.raises(KeyboardInterrupt):
+        half.__init__(smol_path) if kind == "model" else half.__init__(model, ContextConfig(n_ctx=256))
+    monkeypatch.undo()
+    half.close()   # must not raise, and frees what __init__ got
+    half.close()
+    assert half.closed
+    if model is not None:
+        model.close()
+
+
 def test_one_context_used_from_two_threads_is_serialised(smol_path):
     """Two threads decoding into one llama.cpp context used to abort the process (GGML_ASSERT);
     the calls are serialised now. Run in a child so that a regression fails only this test."""

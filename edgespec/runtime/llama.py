@@ -67,7 +67,10 @@ class LlamaModel:
         layers from a build without GPU support is refused: silently running on the CPU would hide it.
         `vocab_only`: the vocabulary (and hyper-parameters) without the weights, for tokenizing and
         grammar_vocab only (the torch verifier's grammars); no context can be created from it."""
+        # Both set first: a Ctrl-C can land anywhere below (the load takes seconds), and close()
+        # (also run from __del__) must then find them.
         self._model = None
+        self._contexts: weakref.WeakSet[TreeContext] = weakref.WeakSet()
         path = Path(path)
         if not path.is_file():
             raise ModelError(f"model file not found: {path}")
@@ -85,7 +88,6 @@ class LlamaModel:
         if not self._model:
             raise ModelError(f"llama.cpp could not load {path} (not a valid GGUF model?)")
         self.path = path
-        self._contexts: weakref.WeakSet[TreeContext] = weakref.WeakSet()
         self.n_layer: int = C.llama_model_n_layer(self._model)
         # llama.cpp offloads the repeating layers first, then the output layer: n_layer + 1 in all.
         self.gpu_layers: int = min(params.n_gpu_layers, self.n_layer + 1)
@@ -296,7 +298,9 @@ class TreeContext:
             return
         with lock:
             if getattr(self, "_ctx", None):
-                C.llama_batch_free(self._batch)
+                # A Ctrl-C inside __init__ can land between creating the context and its batch.
+                if getattr(self, "_batch", None) is not None:
+                    C.llama_batch_free(self._batch)
                 C.llama_free(self._ctx)
                 self._ctx = None
 

@@ -497,3 +497,40 @@ def test_a_tree_accepted_to_its_depth_tries_the_next_shape_at_that_shapes_whole_
     assert p.choose() == p.ladder[2] and p.exploring       # four of four could pay: tried
     step(p, "chain4", 4, 4)
     assert p.choose() == p.ladder[2]                       # it did: kept
+
+
+def test_one_poor_tree_does_not_lock_a_request_below_a_shape_it_drafted():
+    """A chain4 tree that accepted one node, then chain2 trees accepted whole: chain4 is tried again (a shape the
+    request drafted is priced by its own trees, so without the re-try the answer stayed on chain2 to its end: 17
+    of 18 chain2 trees accepted whole, twenty-seventh session's trace), and kept once its trees accept whole.
+    A shape that keeps failing is left after REQUEST_RETRIES trees of it in the request."""
+    from edgespec.edge.planner import REQUEST_RETRIES
+
+    def step(p, label, nodes, accepted):   # 100 ms away, a fast verifier, a 10 ms drafting decode
+        p.observe(StepObservation(nodes=nodes, draft_s=0.01 * nodes, draft_decodes=nodes, network_s=0.1,
+                                  bytes_up=48 + 8 * nodes, verify_s=0.002, queue_s=0.0, scores=np.full(nodes, 0.6),
+                                  accepted=np.arange(nodes) < accepted, depths=np.arange(1, nodes + 1), shape=label,
+                                  wall_s=0.102 + 0.01 * nodes))
+
+    def run(chain4_accepts):
+        p = Planner(ladder=(TreeShape.target_only(), TreeShape.chain(2), TreeShape.chain(4)))
+        p.begin_request()
+        for _ in range(4):   # prose before: chain4 accepted one node a tree
+            step(p, "chain4", 4, 1)
+        p.begin_request(400)
+        step(p, "chain2", 2, 2)
+        assert p.choose() == p.ladder[2]          # the climb
+        step(p, "chain4", 4, 1)                   # one poor chain4 tree
+        chosen = []
+        for _ in range(12):
+            shape = p.choose()
+            chosen.append(shape.label)
+            step(p, shape.label, shape.budget, chain4_accepts if shape.label == "chain4" else shape.budget)
+        return p, chosen
+
+    p, chosen = run(chain4_accepts=4)             # code: chain4 accepts whole when tried again
+    assert chosen[:2] == ["chain2", "chain4"], chosen   # re-tried after the next whole chain2
+    assert chosen[-4:] == ["chain4"] * 4, chosen  # and kept
+    p, chosen = run(chain4_accepts=1)             # chain4 keeps failing: tried until the request has
+    assert p._request_trees[2] == REQUEST_RETRIES, chosen   # REQUEST_RETRIES trees of it, then left
+    assert chosen[-4:] == ["chain2"] * 4, chosen

@@ -64,6 +64,10 @@ REALIZED_WINDOW = 8        # realized tokens per rung: a running mean over about
 # decodes, ~0.5 s) and ran 10 % behind fixed chain4 (docs/BENCHMARKS.md, twenty-sixth session's e2e)
 TRY_SHARE = 0.1
 REQUEST_EVIDENCE = 4       # path nodes a request must have tried before its acceptance prices other shapes
+# A tree accepted to its depth re-tries the next shape up while the request has drafted fewer than this many trees of
+# it. A shape the request drafted is priced by its own trees, so one poor chain4 tree kept a code answer on chain2 to
+# its end while chain2 trees were accepted whole (17 of 18; 2-core box, twenty-seventh session's trace)
+REQUEST_RETRIES = 3
 # A draft model that prefilled more committed tokens than this before drafting a tree was catching up (after turns
 # a router arm without it ran, or a resync), not drafting: that step's time would price every decode as a prefill
 # (router mode on the 2-core box learned 894 ms a decode after one, docs/BENCHMARKS.md), so costs skip it. An
@@ -265,7 +269,8 @@ class Planner:
             self._request_path[0] += k
             self._request_path[1] += k + (k < deepest)
             # accepted to the shape's full depth (not only a pruned tree's): does the next shape up pay too?
-            if self.requests and k >= self.ladder[rung].max_depth and rung + 1 not in self._request_trees:
+            if (self.requests and k >= self.ladder[rung].max_depth
+                    and self._request_trees.get(rung + 1, 0) < REQUEST_RETRIES):
                 self._try_next, self._try_full = rung + 1, True
         first_worse = seen == 0 and count and tokens < mean
         weight = max(1 / min(count + 1, REALIZED_WINDOW), 1 / (seen + 2) if first_worse else 1 / (seen + 1))
@@ -366,7 +371,7 @@ class Planner:
         requests is only a default. This request's first tree of a shape replaces it (observe),
         and when plain target decoding is the choice, the first step tries the smallest drafted
         shape (if it could pay at all); a tree accepted to its depth then tries the next shape up
-        once. So a code prompt after prose finds out that drafting pays, and a prose prompt pays for
+        (again, until the request has REQUEST_RETRIES trees of it). So a code prompt after prose finds out that drafting pays, and a prose prompt pays for
         one small tree. Measured on the 2-core box (2026-12-01): after a prose prompt the planner
         decoded a whole HumanEval answer target-only (1.00x cloud AR) where chain4 ran 1.74x.
         max_tokens: the most the request may produce; each such try then costs at most TRY_SHARE of what is left."""

@@ -1205,7 +1205,7 @@ def main() -> int:
     p.add_argument("--attention", default="triton,torch",
                    help="engine variants to time: triton, torch, and either with -unfused (no fused.py kernels); "
                         "triton@P:K sets the key-split policy (about P programs, >= K keys per split), "
-                        "triton#MxN pins the attention tiles (both: triton@P:K#MxN), %NxKrROWS=C.BK.S.W.ST+... sets small-rows "
+                        "triton#MxN pins the attention tiles (both: triton@P:K#MxN), %%NxKrROWS=C.BK.S.W.ST+... sets small-rows "
                         "matmul configs (fused.LINEAR_ROWS_TABLE), a last !KNOB=V:KNOB=V sets "
                         "other TritonPagedAttention knobs (triton!NUM_WARPS=8), and !BLAS=cublaslt picks torch's BLAS library")
     p.add_argument("--warmup", type=int, default=10)

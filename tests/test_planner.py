@@ -255,6 +255,16 @@ def observe_tree(p, shape, nodes, accepted, steps=1, per_node_s=0.06):
                                   scores=np.full(nodes, 0.8), accepted=np.arange(nodes) < accepted, shape=shape))
 
 
+def remote_step(p, label, nodes, accepted, decode_s, verify_fixed_s=0.002, verify_node_s=0.0, score=0.6):
+    """One verified tree 100 ms away: `decode_s` a drafting decode (one per depth), verification taking
+    verify_fixed_s + verify_node_s a node (root included), the path's first `accepted` nodes accepted."""
+    verify_s = verify_fixed_s + verify_node_s * (nodes + 1)
+    p.observe(StepObservation(nodes=nodes, draft_s=decode_s * nodes, draft_decodes=nodes, network_s=0.1,
+                              bytes_up=48 + 8 * nodes, verify_s=verify_s, queue_s=0.0, scores=np.full(nodes, score),
+                              accepted=np.arange(nodes) < accepted, depths=np.arange(1, nodes + 1), shape=label,
+                              wall_s=0.1 + decode_s * nodes + verify_s))
+
+
 def test_a_new_request_relearns_what_drafting_realizes_from_its_first_trees():
     """Acceptance depends on the text: after a prose request where chain4 realized 1 token, a code
     request's first chain4 tree (5 tokens) replaces the shape's figure, not moving it by 1/8 per
@@ -439,11 +449,8 @@ def test_a_request_tries_a_bigger_shape_only_while_what_is_left_can_pay_for_it()
     try is made in a long answer, and in an open-ended run, where the rest of it can pay the try back."""
     from edgespec.edge.planner import TRY_SHARE
 
-    def step(p, label, nodes, accepted):   # 100 ms away, a 25 ms drafting decode, one per depth
-        p.observe(StepObservation(nodes=nodes, draft_s=0.025 * nodes, draft_decodes=nodes, network_s=0.1,
-                                  bytes_up=48 + 8 * nodes, verify_s=0.002, queue_s=0.0, scores=np.full(nodes, 0.3),
-                                  accepted=np.arange(nodes) < accepted, depths=np.arange(1, nodes + 1), shape=label,
-                                  wall_s=0.1 + 0.025 * nodes))
+    def step(p, label, nodes, accepted):   # a fast verifier, a 25 ms drafting decode
+        remote_step(p, label, nodes, accepted, decode_s=0.025, score=0.3)
 
     def climbed(max_tokens):
         p = Planner(ladder=(TreeShape.target_only(), TreeShape.chain(2), TreeShape.chain(4)))
@@ -477,11 +484,8 @@ def test_a_tree_accepted_to_its_depth_tries_the_next_shape_at_that_shapes_whole_
     (2-core box, 2026-12-05). The request's first try of a drafted shape keeps OPTIMISTIC_ACCEPTANCE."""
     from edgespec.edge.planner import OPTIMISTIC_ACCEPTANCE, tree_tokens
 
-    def step(p, label, nodes, accepted):   # 100 ms away, a CPU verifier (50 ms a node), 40 ms a drafting decode
-        p.observe(StepObservation(nodes=nodes, draft_s=0.04 * nodes, draft_decodes=nodes, network_s=0.1,
-                                  bytes_up=48 + 8 * nodes, verify_s=0.1 + 0.05 * (nodes + 1), queue_s=0.0,
-                                  scores=np.full(nodes, 0.6), accepted=np.arange(nodes) < accepted,
-                                  depths=np.arange(1, nodes + 1), shape=label, wall_s=0.2 + 0.09 * nodes + 0.05))
+    def step(p, label, nodes, accepted):   # a CPU verifier (50 ms a node), 40 ms a drafting decode
+        remote_step(p, label, nodes, accepted, decode_s=0.04, verify_fixed_s=0.1, verify_node_s=0.05)
 
     p = Planner(ladder=(TreeShape.target_only(), TreeShape.chain(2), TreeShape.chain(4)))
     p.begin_request()
@@ -506,11 +510,8 @@ def test_one_poor_tree_does_not_lock_a_request_below_a_shape_it_drafted():
     A shape that keeps failing is left after REQUEST_RETRIES trees of it in the request."""
     from edgespec.edge.planner import REQUEST_RETRIES
 
-    def step(p, label, nodes, accepted):   # 100 ms away, a fast verifier, a 10 ms drafting decode
-        p.observe(StepObservation(nodes=nodes, draft_s=0.01 * nodes, draft_decodes=nodes, network_s=0.1,
-                                  bytes_up=48 + 8 * nodes, verify_s=0.002, queue_s=0.0, scores=np.full(nodes, 0.6),
-                                  accepted=np.arange(nodes) < accepted, depths=np.arange(1, nodes + 1), shape=label,
-                                  wall_s=0.102 + 0.01 * nodes))
+    def step(p, label, nodes, accepted):   # a fast verifier, a 10 ms drafting decode
+        remote_step(p, label, nodes, accepted, decode_s=0.01)
 
     def run(chain4_accepts):
         p = Planner(ladder=(TreeShape.target_only(), TreeShape.chain(2), TreeShape.chain(4)))

@@ -372,8 +372,9 @@ class Planner:
         and when plain target decoding is the choice, the first step tries the smallest drafted
         shape (if it could pay at all); a tree accepted to its depth then tries the next shape up
         (again, until the request has REQUEST_RETRIES trees of it). So a code prompt after prose
-        finds out that drafting pays, and a prose prompt pays for one small tree. Measured on the 2-core box (2026-12-01): after a prose prompt the planner
-        decoded a whole HumanEval answer target-only (1.00x cloud AR) where chain4 ran 1.74x.
+        finds out that drafting pays, and a prose prompt pays for one small tree. Measured on the
+        2-core box (2026-12-01): after a prose prompt the planner decoded a whole HumanEval answer
+        target-only (1.00x cloud AR) where chain4 ran 1.74x.
         max_tokens: the most the request may produce; each such try then costs at most TRY_SHARE of what is left."""
         self.requests += 1
         self.request_left = max_tokens

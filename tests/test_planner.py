@@ -535,3 +535,52 @@ def test_one_poor_tree_does_not_lock_a_request_below_a_shape_it_drafted():
     p, chosen = run(chain4_accepts=1)             # chain4 keeps failing: tried until the request has
     assert p._request_trees[2] == REQUEST_RETRIES, chosen   # REQUEST_RETRIES trees of it, then left
     assert chosen[-4:] == ["chain2"] * 4, chosen
+
+
+def _tree_step(shape: TreeShape, accepted: int, prepared: bool, decode_s: float) -> StepObservation:
+    """One observed tree step of `shape` at 100 ms RTT: `accepted` nodes of its main path accepted."""
+    nodes = shape.budget
+    return StepObservation(nodes=nodes, draft_s=shape.max_depth * decode_s, draft_decodes=shape.max_depth,
+                           network_s=0.1, bytes_up=48 + 8 * nodes, verify_s=0.002, queue_s=0.0,
+                           scores=np.full(nodes, 0.6), accepted=np.arange(nodes) < accepted, shape=shape.label,
+                           prepared=prepared, wall_s=0.1 + (0 if prepared else shape.max_depth * decode_s))
+
+
+def test_each_rung_prices_its_steps_with_its_own_drafted_ahead_share():
+    """A tree step is drafted ahead when the tree in flight before it had its whole main path accepted,
+    so the share belongs to that tree's rung. After a code answer whose chain4 trees came true, prose
+    whose tree16 trees never did must price tree16 as drafted on the step's path (an H100 host's e2e,
+    thirtieth session: 306 ms a tree16 step, none drafted ahead, where chain4's steps on code were)."""
+    p = Planner()
+    rungs = {s.label: i for i, s in enumerate(p.ladder)}
+    chain4, tree16 = p.ladder[rungs["chain4"]], p.ladder[rungs["tree16"]]
+    p.begin_request(64)
+    for i in range(12):   # code: after the first, every chain4 tree was drafted ahead
+        p.observe(_tree_step(chain4, 4, prepared=i > 0, decode_s=0.012))
+    code_share = p.prepared_for(rungs["chain4"])
+    assert code_share > 0.8 and rungs["tree16"] not in p.prepared_by_rung
+    p.begin_request(64)   # prose: the request's first tree is not a miss of the code answer's last chain4
+    assert p.prepared_for(rungs["chain4"]) == code_share
+    for _ in range(8):
+        p.observe(_tree_step(tree16, 2, prepared=False, decode_s=0.03))
+    assert p.prepared_for(rungs["tree16"]) < 0.25 < p.prepared_for(rungs["chain4"]) == code_share
+    draft = tree16.max_depth * p.decode_s_by_rung[rungs["tree16"]]
+    exposed = p.step_seconds(tree16.budget, tree16.max_depth, draft_s=draft, prepared=0.0)
+    hidden = p.step_seconds(tree16.budget, tree16.max_depth, draft_s=draft, prepared=1.0)
+    assert (p._seconds(rungs["tree16"]) - hidden) > 0.75 * (exposed - hidden)
+    # the all-steps share, still up from the code answer, would have hidden more of it
+    assert p.prepared_share > p.prepared_for(rungs["tree16"]) + 0.1
+
+
+def test_steps_after_a_target_only_step_are_no_miss_of_any_rung():
+    """Nothing is drafted ahead behind a target-only step: the tree step after one says nothing about the rung
+    before it."""
+    p = Planner()
+    chain2 = p.ladder[1]
+    p.observe(_tree_step(chain2, 2, prepared=False, decode_s=0.01))
+    p.observe(StepObservation(nodes=0, draft_s=0.0, draft_decodes=0, network_s=0.1, bytes_up=48, verify_s=0.002,
+                              queue_s=0.0, scores=np.zeros(0), accepted=np.zeros(0, bool)))
+    p.observe(_tree_step(chain2, 2, prepared=False, decode_s=0.01))
+    assert p.prepared_by_rung == {}
+    p.observe(_tree_step(chain2, 2, prepared=True, decode_s=0.01))
+    assert p.prepared_by_rung[1][0] == p.prepared_steps == 1 and p.prepared_for(1) > 0.5

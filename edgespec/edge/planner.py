@@ -68,6 +68,13 @@ REQUEST_EVIDENCE = 4       # path nodes a request must have tried before its acc
 # it. A shape the request drafted is priced by its own trees, so one poor chain4 tree kept a code answer on chain2 to
 # its end while chain2 trees were accepted whole (17 of 18; 2-core box, twenty-seventh session's trace)
 REQUEST_RETRIES = 3
+# Whether a step's tree was drafted ahead depends on the tree in flight before it: the guess is that tree's whole main
+# path (and the token after it), so a deep tree on prose rarely comes true and a short chain on code mostly does. Each
+# rung keeps its own share, starting from the all-steps share as worth this many steps. With one share for all, prose
+# at 100 ms RTT on an H100 host priced tree16 as drafted ahead 80 % of the time (the code answers' chains were) where
+# none of its 8 trees was: 306 ms a step against ~200 predicted, and the planner ran 0.85x fixed chain4 on that
+# answer (docs/BENCHMARKS.md, thirtieth session's e2e)
+PREPARED_PRIOR_STEPS = 2
 # A draft model that prefilled more committed tokens than this before drafting a tree was catching up (after turns
 # a router arm without it ran, or a resync), not drafting: that step's time would price every decode as a prefill
 # (router mode on the 2-core box learned 894 ms a decode after one, docs/BENCHMARKS.md), so costs skip it. An
@@ -99,6 +106,12 @@ class StepObservation:
     wall_s: float = 0.0        # the step's wall time on the edge (at least draft + network + queue + verify)
     catchup: bool = False      # the draft model first prefilled a context it lagged (catching_up): draft_s is
                                # mostly that prefill, not what drafting the shape costs
+
+
+def _prepared_mean(share: float, count: int, hit: float) -> float:
+    """A drafted-ahead share after its count-th observation `hit`: a mean with the share before the first worth
+    PREPARED_PRIOR_STEPS steps, then a running mean over about REALIZED_WINDOW steps."""
+    return share + (hit - share) * max(1 / (count + 1 + PREPARED_PRIOR_STEPS), 1 / REALIZED_WINDOW)
 
 
 def tree_tokens(shape: TreeShape, a: float, a_sibling: float) -> float:
@@ -204,7 +217,11 @@ class Planner:
     # tree level cost 5x a chain's on the H200 host's CPU (195 vs 35 ms), so one figure for all
     # shapes made wide trees look cheap after chains, or chains dear after one wide tree
     decode_s_by_rung: dict[int, float] = field(default_factory=dict)
-    prepared_share: float = 0.5   # of tree steps, those that sent a tree drafted ahead (running mean)
+    # of tree steps after a tree step, those that sent a tree drafted ahead (running mean over prepared_steps)
+    prepared_share: float = 0.5
+    prepared_steps: int = 0
+    # rung -> (its trees followed by a tree step, running mean of those drafted ahead): see PREPARED_PRIOR_STEPS
+    prepared_by_rung: dict[int, tuple[int, float]] = field(default_factory=dict)
     wall_seconds: float = 0.0     # observed step wall time, all steps
     explore_seconds: float = 0.0  # predicted wall time of the steps spent exploring
     # expected tokens per rung; they change only when a drafted tree is observed, and choose() runs
@@ -218,6 +235,7 @@ class Planner:
     # this request's acceptance along the path: [accepted nodes, nodes the walk tried] (a tree whose
     # path stopped at depth k < its depth tried k + 1 nodes), for the shapes it has not drafted yet
     _request_path: list[int] = field(default_factory=lambda: [0, 0], repr=False)
+    _in_flight_rung: int | None = field(default=None, repr=False)  # the last tree step's rung (None: no tree before)
     requests: int = 0        # begin_request calls (0: one open-ended run, no per-request figures)
     request_left: int | None = None   # tokens the current request may still produce (None: open-ended)
 
@@ -233,15 +251,22 @@ class Planner:
         if self.request_left is not None:
             self.request_left = max(0, self.request_left - 1 - int(obs.accepted.sum()))
         if obs.draft_decodes == 0:  # target-only: only link and verifier figures are news
+            self._in_flight_rung = None   # (and nothing is drafted ahead behind a target-only step)
             return
         self._tokens_by_rung = None
         # A drafted tree that pruning cut to the root still cost its drafting and yielded one token:
         # it counts against its shape. Left out, a shape whose trees were mostly cut looked as good
         # as its few confident trees (GPU host, 2026-12-01: chain2 chosen on 55 of 56 steps at τ 1.14).
-        self.prepared_share = 0.9 * self.prepared_share + 0.1 * float(obs.prepared)
         # Credited to the rung the tree was drafted with: a pipelined decoder has already chosen (and
         # drafted) the next tree when this one is answered, so the last choice may be another rung.
         rung = self._rung(obs.shape)
+        if self._in_flight_rung is not None:   # a tree was in flight before this one: was this one drafted behind it?
+            hit = float(obs.prepared)
+            count, share = self.prepared_by_rung.get(self._in_flight_rung, (0, self.prepared_share))
+            self.prepared_by_rung[self._in_flight_rung] = (count + 1, _prepared_mean(share, count, hit))
+            self.prepared_share = _prepared_mean(self.prepared_share, self.prepared_steps, hit)
+            self.prepared_steps += 1
+        self._in_flight_rung = rung
         # a prepared tree's drafting was hidden, a catch-up's was mostly prefill: neither draft_s is the shape's cost
         if obs.draft_decodes and not obs.prepared and not obs.catchup:
             per_decode = obs.draft_s / obs.draft_decodes
@@ -325,10 +350,11 @@ class Planner:
         return 1.0 + (self.queue_s / per_step if per_step > 0 else 0.0)
 
     def step_seconds(self, nodes: int, decodes: int, q_entries: int = 0, draft_s: float | None = None,
-                     flat_verify: bool = False) -> float:
+                     flat_verify: bool = False, prepared: float | None = None) -> float:
         """Predicted wall time of a step sending `nodes` drafted nodes; drafting costs `decodes` of
         this session's draft model, or `draft_s` when given (the router's per-expert cost).
-        flat_verify: price the tree's verification like a target-only step's (the optimistic case)."""
+        flat_verify: price the tree's verification like a target-only step's (the optimistic case).
+        prepared: the share of such steps drafted ahead (prepared_for(rung)); default the all-steps share."""
         up = BYTES_PER_MESSAGE + nodes * BYTES_PER_NODE + q_entries * BYTES_PER_Q_ENTRY
         # Queueing is the symptom of a shared, saturated verifier: rather than a fixed delay (which
         # would favour ever bigger trees), it scales what our nodes cost, so trees shrink under load.
@@ -336,7 +362,7 @@ class Planner:
         draft = decodes * self.draft_per_decode_s if draft_s is None else draft_s
         answer = self.network(up) + verify
         if nodes:   # drafted ahead and sent (share p): the drafting overlapped the previous round trip
-            p = self.prepared_share
+            p = self.prepared_share if prepared is None else prepared
             return max(p * max(draft, answer) + (1 - p) * (draft + answer), 1e-9)
         return max(answer, 1e-9)  # never 0: rates divide by it
 
@@ -382,6 +408,7 @@ class Planner:
         self._request_path = [0, 0]
         self._tokens_by_rung = None
         self._try_next, self._try_full = 1, False
+        self._in_flight_rung = None   # a request's first tree is never drafted ahead
 
     def choose(self) -> TreeShape:
         """The ladder shape with the best predicted tokens/second. Every explore_every steps a
@@ -463,7 +490,12 @@ class Planner:
             chain_s, row_cost = self._wide_row_cost(optimistic)
             per_decode = chain_s * (1 + row_cost * (shape.width - 1))
         return self.step_seconds(shape.budget, shape.max_depth, draft_s=shape.max_depth * per_decode,
-                                 flat_verify=flat_verify)
+                                 flat_verify=flat_verify, prepared=self.prepared_for(rung))
+
+    def prepared_for(self, rung: int) -> float:
+        """The share of steps after a tree of this rung that sent a tree drafted ahead (the all-steps share
+        until the rung has been followed by a tree step): what hides a step's drafting when this rung is kept."""
+        return self.prepared_by_rung.get(rung, (0, self.prepared_share))[1]
 
     def _wide_row_cost(self, optimistic: bool) -> tuple[float, float]:
         """(seconds of a one-row drafting decode, what each further row of a level adds in such decodes) for
@@ -509,6 +541,8 @@ class Planner:
                 "verify_ms_fixed": 1000 * self.verify.a, "verify_ms_per_node": 1000 * self.verify.b,
                 "verifier_queue_ms": 1000 * self.queue_s, "load_factor": self.load_factor,
                 "draft_ms_per_decode": 1000 * self.draft_per_decode_s, "prepared_share": self.prepared_share,
+                "prepared_share_by_shape": {self.ladder[r].label: round(v, 3)
+                                            for r, (_, v) in sorted(self.prepared_by_rung.items())},
                 "draft_ms_per_decode_by_shape": {self.ladder[r].label: round(1000 * v, 2)
                                                  for r, v in sorted(self.decode_s_by_rung.items())},
                 "explore_share": self.explore_seconds / self.wall_seconds if self.wall_seconds else 0.0,

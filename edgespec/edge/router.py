@@ -250,7 +250,7 @@ class Router:
                 if drafting_only and shape.budget == 0:
                     continue
                 tokens = tree_tokens(shape, a, a_sibling)
-                seconds = self.step_seconds(arm_state, shape)
+                seconds = self.step_seconds(arm_state, rung)
                 if best is None or tokens / seconds > best.rate:
                     best = Choice(name if shape.budget else None, shape, rung, tokens, seconds, a, route)
         if best is None:  # no arms: target-only
@@ -259,9 +259,11 @@ class Router:
             best = Choice(None, shape, planner.ladder.index(shape), 1.0, seconds, 0.0, route)
         return best
 
-    def step_seconds(self, arm_state: _Arm, shape: TreeShape, flat_verify: bool = False) -> float:
-        """A step of `shape` drafted by this arm, priced by the planner's live fits."""
-        return self.planner.step_seconds(shape.budget, 0, draft_s=arm_state.draft_seconds(shape), flat_verify=flat_verify)
+    def step_seconds(self, arm_state: _Arm, rung: int, flat_verify: bool = False) -> float:
+        """A step of the ladder's `rung` drafted by this arm, priced by the planner's live fits."""
+        shape = self.planner.ladder[rung]
+        return self.planner.step_seconds(shape.budget, 0, draft_s=arm_state.draft_seconds(shape), flat_verify=flat_verify,
+                                         prepared=self.planner.prepared_for(rung))
 
     def predicted(self, route: Route) -> dict[str, float]:
         """Posterior mean a_e(x) per arm (no exploration): what the router believes."""
@@ -392,7 +394,7 @@ class RoutedPlanner(Planner):
         a_sibling = self.typical_acceptance()[1]
 
         def seconds(rung: int, optimistic: bool = False) -> float:
-            return self.router.step_seconds(arm, self.ladder[rung], self.verify_flat(optimistic))
+            return self.router.step_seconds(arm, rung, self.verify_flat(optimistic))
 
         rates = [tree_tokens(shape, self.turn.acceptance, a_sibling) / seconds(i) for i, shape in enumerate(self.ladder)]
         # an arm the router has seen fewer than LEARNING_STEPS times is tried regardless: its a_e(x)

@@ -71,9 +71,9 @@ REQUEST_RETRIES = 3
 # Whether a step's tree was drafted ahead depends on the tree in flight before it: the guess is that tree's whole main
 # path (and the token after it), so a deep tree on prose rarely comes true and a short chain on code mostly does. Each
 # rung keeps its own share, starting from the all-steps share as worth this many steps. With one share for all, prose
-# at 100 ms RTT on an H100 host priced tree16 as drafted ahead 80 % of the time (the code answers' chains were) where
-# none of its 8 trees was: 306 ms a step against ~200 predicted, and the planner ran 0.85x fixed chain4 on that
-# answer (docs/BENCHMARKS.md, thirtieth session's e2e)
+# at 100 ms RTT on an H100 host after a code answer (whose chain4 and tree8 steps were 80-90 % drafted ahead) drafted
+# tree16 for 8 steps, none drafted ahead: 306 ms a step, and the planner ran that answer at 0.84x fixed chain4
+# (docs/BENCHMARKS.md, thirtieth session's e2e)
 PREPARED_PRIOR_STEPS = 2
 # A draft model that prefilled more committed tokens than this before drafting a tree was catching up (after turns
 # a router arm without it ran, or a resync), not drafting: that step's time would price every decode as a prefill

@@ -200,6 +200,11 @@ def test_the_planner_gets_a_timed_draft_decode_while_the_verifier_prefills(smol_
     assert len(steps) == stats.steps and sum(r["accepted"] for r in steps) == stats.accepted
     assert {label: sum(r["shape"] == label for r in steps) for label in stats.shapes} == stats.shapes
     assert all(0 <= r["draft_ms"] <= r["wall_ms"] and r["accepted"] <= r["nodes"] for r in steps)
+    # and why the planner chose each step's shape, with the rates it compared (the chosen rung's is the best
+    # unless the step was a try or an exploration)
+    ladder = [s.label for s in decoder.planner.ladder]
+    assert all(r["why"] in ("best", "try", "explore") and len(r["rates"]) == len(ladder) for r in steps)
+    assert all(r["rates"][ladder.index(r["shape"])] == max(r["rates"]) for r in steps if r["why"] == "best")
     assert decoder.planner.requests == 2
     assert decoder.planner.request_left == max(0, 12 - sum(1 + r["accepted"] for r in traces[1]))
     ref = target_only_greedy(smol_model, prompt, 12)

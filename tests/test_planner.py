@@ -92,6 +92,7 @@ def test_exploration_is_rarer_when_the_neighbour_is_known_to_be_far_worse():
             nonlocal tried
             shape = choose()
             tried += planner.exploring
+            assert planner.last_why == ("explore" if planner.exploring else "best")   # no request: no try
             return shape
 
         planner.choose = counting_choose
@@ -307,7 +308,8 @@ def test_a_new_request_first_tries_a_drafted_shape_when_target_only_is_chosen():
     p.begin_request()
     first = p.choose()
     assert first.budget > 0 and p.exploring and p.last_choice == chain2   # the smallest drafted shape
-    assert p.choose() == TreeShape.target_only()         # one try per request
+    assert p.last_why == "try"
+    assert p.choose() == TreeShape.target_only() and p.last_why == "best"   # one try per request
     observe_tree(p, first.label, first.budget, first.budget, per_node_s=0.02)
     assert p.choose() == p.ladder[chain4] and p.exploring    # accepted to its depth: one shape up
     observe_tree(p, "chain4", 4, 4, per_node_s=0.02)

@@ -109,6 +109,7 @@ class _Prepared:
     context: list[int]   # the committed context this draft assumes
     draft: Draft
     shape: TreeShape     # the shape it was drafted with (to finish it in, if it was cut short)
+    plan: tuple[str, tuple[float, ...]] | None   # the planner's choice behind it (Draft.plan)
 
 
 SNAPSHOT_EVERY = 16   # steps between refreshes of stats.extra["planner"] (and at the end of each run)
@@ -221,15 +222,24 @@ class Decoder:
         self.planner.calibrate_draft(time.perf_counter() - started)
 
     # -- drafting -----------------------------------------------------------------------------
+    def _choose(self) -> tuple[TreeShape, tuple[str, tuple[float, ...]] | None]:
+        """The next tree's shape: the planner's choice and why (Draft.plan), else the fixed shape."""
+        if self.planner is None:
+            return self.shape, None
+        shape = self.planner.choose()
+        return shape, (self.planner.last_why, tuple(self.planner.last_rates))
+
     def _draft(self, committed: list[int], sampling: SamplingParams, step: int,
-               stop: Callable[[], bool] | None = None, shape: TreeShape | None = None) -> Draft:
-        """Draft the step's tree in `shape` (default: the planner's choice, else the fixed shape).
-        With `stop`, the tree may come back unfinished (complete=False): see _finish."""
-        shape = shape or (self.planner.choose() if self.planner else self.shape)
+               stop: Callable[[], bool] | None = None, shape: TreeShape | None = None,
+               plan: tuple[str, tuple[float, ...]] | None = None) -> Draft:
+        """Draft the step's tree in `shape` (default: _choose's). With `stop`, the tree may come back
+        unfinished (complete=False): see _finish."""
+        if shape is None:
+            shape, plan = self._choose()
         if shape.budget == 0:  # target-only decoding (the baseline): one token per step
-            return Draft(TokenTree.chain(committed[-1], []), [0], np.ones(1), shape=shape.label)
+            return Draft(TokenTree.chain(committed[-1], []), [0], np.ones(1), shape=shape.label, plan=plan)
         draft = self.drafter.grow(committed, shape, sampling, step, stop=stop)
-        draft.shape = shape.label
+        draft.shape, draft.plan = shape.label, plan
         if not draft.complete:
             return draft   # cut by the planner once finished, never in between
         # The planner cuts the tree by the drafted scores. Under the sampled rejection rule a cut must
@@ -250,15 +260,15 @@ class Decoder:
         guess.append(self.drafter.predict_next(guess))
         if stop():
             return None
-        shape = self.planner.choose() if self.planner else self.shape
-        return _Prepared(guess, self._draft(guess, sampling, step, stop=stop, shape=shape), shape)
+        shape, plan = self._choose()
+        return _Prepared(guess, self._draft(guess, sampling, step, stop=stop, shape=shape, plan=plan), shape, plan)
 
     def _finish(self, prepared: _Prepared, sampling: SamplingParams, step: int) -> Draft:
         """The guess came true but the answer cut the prepared tree short: grow it on to the full
         shape (the drafter resumes where it stopped, its KV cache untouched since), so what goes
         out is the tree drafting at this step would have made. Sent as cut, prepared trees
         accepted about half the tokens (docs/BENCHMARKS.md, issue 10)."""
-        return self._draft(prepared.context, sampling, step, shape=prepared.shape)
+        return self._draft(prepared.context, sampling, step, shape=prepared.shape, plan=prepared.plan)
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _record(self, draft: Draft, result: VerifyResult, emitted: list[int], started: float, sent: float,
@@ -275,7 +285,8 @@ class Decoder:
         if s.trace is not None:
             s.trace.append({"shape": draft.shape, "nodes": len(draft.tree) - 1, "accepted": len(result.path),
                             "prepared": prepared, "draft_ms": round(1000 * (sent - started), 2),
-                            "wall_ms": round(1000 * (answered - started), 2)})
+                            "wall_ms": round(1000 * (answered - started), 2),
+                            **({"why": draft.plan[0], "rates": [round(r, 1) for r in draft.plan[1]]} if draft.plan else {})})
         if self.planner is not None:
             accepted = np.zeros(len(draft.tree) - 1, bool)
             accepted[np.array(result.path, int) - 1] = True

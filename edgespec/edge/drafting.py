@@ -13,6 +13,7 @@ needs to stay exact (common/acceptance.py):
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -144,6 +145,8 @@ class Draft:
     # ordinary step (the bonus token), many after turns it sat out. Their time is in `seconds`, but it is
     # not a cost of drafting this shape: the planner and the router do not learn drafting costs from it.
     catchup_tokens: int = 0
+    # the planner's choice behind `shape`: (Planner.last_why, its predicted tokens/s per ladder rung), for step traces
+    plan: tuple[str, tuple[float, ...]] | None = None
 
     def order(self) -> list[int]:
         """Non-root nodes in the order pruning keeps them (see selection_order)."""
@@ -157,8 +160,7 @@ class Draft:
         t = self.tree
         tree = TokenTree(tokens=t.tokens[keep], parents=np.array([index.get(int(t.parents[i]), -1) for i in keep]),
                          q_tokens=t.q_tokens[keep], q_weights=t.q_weights[keep])
-        return Draft(tree, [self.node_seq[i] for i in keep], self.scores[keep], self.seconds, self.decodes, self.shape,
-                     self.prefix_groups, self.complete, self.catchup_tokens)
+        return dataclasses.replace(self, tree=tree, node_seq=[self.node_seq[i] for i in keep], scores=self.scores[keep])
 
 
 class DraftContext(Protocol):

@@ -209,6 +209,10 @@ class Planner:
     steps: int = 0
     last_choice: int = 2     # chain(4) until the first choice
     exploring: bool = False  # the last choice tries a neighbouring shape (see choose)
+    # why the last choice was made ("best", "try": a request's one-off try, "explore", "arm": the router's turn without
+    # an arm) and the predicted tokens/s per rung it compared: what a step trace records
+    last_why: str = "best"
+    last_rates: list[float] = field(default_factory=list, repr=False)
     realized: dict[int, tuple[int, float]] = field(default_factory=dict)  # rung -> (count, mean tokens/step)
     # per depth: acceptances observed and predicted by the score bins (index 0 unused: the root)
     depth_hits: np.ndarray = field(default_factory=lambda: np.zeros(MAX_TRACKED_DEPTH + 1))
@@ -427,7 +431,7 @@ class Planner:
         gate (`learning`: tried whatever the gate says); seconds(rung, optimistic) prices a rung
         (the router's planner passes its arm's)."""
         best = int(np.argmax(rates))
-        self.exploring = False
+        self.exploring, self.last_why, self.last_rates = False, "best", rates
         # A try waits for one measured step: before it every price is a prior. (On the H200 host the
         # priors' 50 ms target-only step let a fresh session draft at 0 ms, where a target-only step
         # takes 3.5 ms: 0.04 s of the answer's 0.75 s, 2026-12-01.)
@@ -438,7 +442,7 @@ class Planner:
                 and self._try_tokens(n) / seconds(n, True) > rates[best]
                 and self._try_affordable(n, best, rates[best], seconds)):
             self.explore_seconds += seconds(n, False)
-            best, self.exploring = n, True
+            best, self.exploring, self.last_why = n, True, "try"
         elif len(self.ladder) > 1 and self.steps > 0 and self.steps % self.explore_every == 0:
             e = self.explore_every
             up = best == 0 or (self.steps % (2 * e) and best + 1 < len(self.ladder))  # alternate; turn at the ends
@@ -452,7 +456,7 @@ class Planner:
             cheap = tried < 3 and cost <= 2 * seconds(best, False)
             affordable = cheap or self.explore_seconds + cost <= EXPLORE_SHARE * (self.wall_seconds + cost)
             if learning or (could_pay and affordable and (not known_bad or self.steps % (4 * e) == 0)):
-                best, self.exploring = n, True
+                best, self.exploring, self.last_why = n, True, "explore"
                 self.explore_seconds += cost
         self.last_choice = best
         return self.ladder[best]

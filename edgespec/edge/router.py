@@ -388,7 +388,7 @@ class RoutedPlanner(Planner):
             return super().choose()
         if self.turn.arm is None:   # no arm may draft this turn (e.g. none drafts alone under the
             self.exploring = False  # sampled rule): the router's choice, target-only, every step
-            self.last_choice = self.turn.rung
+            self.last_choice, self.last_why, self.last_rates = self.turn.rung, "arm", []
             return self.ladder[self.turn.rung]
         arm = self.router.arms[self.turn.arm]
         a_sibling = self.typical_acceptance()[1]

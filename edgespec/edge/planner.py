@@ -16,7 +16,8 @@ nodes whose size maximises (1 + expected accepted) / predicted step time.
 
 The decoder drafts the next tree while this one is in flight (decoder.py). When that prepared tree
 is the one sent (its guess of the answer came true), the step costs the longer of drafting and the
-round trip, not their sum; the planner keeps the share of such hits and prices tree steps with it.
+round trip, not their sum; the planner keeps the share of such hits per shape (of the tree in flight
+before them: its whole main path must come true) and prices each shape's steps with its own.
 Trying other shapes (exploration) is paid in real time: where target-only steps take 4 ms and a
 drafted chain 75 ms, exploring every 16th step alone would cost a third of the speed. So a shape is
 tried only if it could beat the current choice with an optimistic acceptance (0.9 on the best path),

@@ -8,9 +8,13 @@ grown" (the case of a GPU verifier) happen on every step instead of by chance.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
+from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
 import pytest
 from lossless import assert_lossless, target_only_greedy
 
@@ -212,6 +216,67 @@ def test_the_planner_gets_a_timed_draft_decode_while_the_verifier_prefills(smol_
         assert_lossless(out + ([smol_model.eos] if len(out) < 12 else []), ref, "timed draft decode")
 
 
+class FarVerifier:
+    """A local verifier whose answers take `delay` seconds more, reported as network time (a remote link's round trip):
+    what makes the planner draft trees next to a local target."""
+
+    def __init__(self, verifier: LocalVerifier, delay: float) -> None:
+        self.inner, self.delay = verifier, delay
+
+    def sync(self, context: Sequence[int]) -> None:
+        self.inner.sync(context)
+
+    def verify(self, context: Sequence[int], tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult:
+        threading.Event().wait(self.delay)
+        result = self.inner.verify(context, tree, sampling, step)
+        return dataclasses.replace(result, network_s=self.delay, bytes_up=48 + 8 * (len(tree) - 1))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_recorded_run_replays_to_the_planner_it_made(smol_model, prompt, tmp_path):
+    """tools/replay_planner.py, fed a run's step traces as bench_link records them, ends with a planner that learned
+    what the live one did (fits, acceptance bins, realized tokens, drafted-ahead shares): the trace holds every
+    observation. Left out: the drafting cost per decode (the live planner timed one decode during the prefill; the
+    replay calibrates from the first tree) and the choices (a replay prices the shapes the run drafted)."""
+    import json
+    import runpy
+
+    drafter = Drafter(smol_model, CONFIG)
+    stats = SessionStats()
+    verifier = FarVerifier(LocalVerifier(smol_model, CONFIG), delay=0.06)
+    decoder = Decoder(drafter, verifier, stats, None, smol_model.is_end_of_generation, pipelined=True)
+    traces = []
+    try:
+        for _ in range(2):
+            stats.trace = []
+            for _ in decoder.run(prompt, 24, GREEDY):
+                pass
+            traces.append(stats.trace)
+    finally:
+        decoder.close()
+        verifier.close()
+        drafter.close()
+    live = decoder.planner
+    tool = runpy.run_path(str(Path(__file__).resolve().parents[1] / "tools" / "replay_planner.py"))
+    runs = [{"mode": "adaptive", "rtt_ms": 0.0, "mbit": 0.0, "trace": trace} for trace in traces]
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"meta": {"max_tokens": 24, "runs": runs}}))
+    steps, planners = tool["replay"](path)
+    replayed = planners["0/0"]
+    assert len(steps) == sum(r["obs"]["draft_decodes"] > 0 for trace in traces for r in trace) >= 4
+    assert (replayed.steps, replayed.requests, replayed.request_left) == (live.steps, live.requests, live.request_left)
+    assert replayed.realized.keys() == live.realized.keys()
+    assert all(abs(replayed.realized[k][1] - live.realized[k][1]) < 1e-9 for k in live.realized)
+    assert replayed.prepared_by_rung == live.prepared_by_rung and replayed.prepared_share == live.prepared_share
+    assert np.array_equal(replayed.hits, live.hits) and np.array_equal(replayed.trials, live.trials)
+    assert abs(replayed.verify(17) - live.verify(17)) < 1e-5 and abs(replayed.network(100) - live.network(100)) < 1e-5
+    assert replayed.decode_s_by_rung.keys() == live.decode_s_by_rung.keys()
+    assert all(s["predicted_s"] > 0 and s["wall_s"] > 0 for s in steps)
+    assert tool["report"](steps)["overall"]["steps"] == len(steps)
+
+
 def test_a_tree_says_how_many_committed_tokens_the_draft_prefilled_first(smol_model, prompt):
     """Draft.catchup_tokens: the whole prompt into an empty cache; the bonus token alone after an accepted step
     (adopt_branch kept the accepted path); a context that jumped ahead (turns the model sat out) its whole lag,
@@ -232,3 +297,36 @@ def test_a_tree_says_how_many_committed_tokens_the_draft_prefilled_first(smol_mo
         assert third.catchup_tokens == CATCHUP_TOKENS + 8 and catching_up(third.catchup_tokens)
     finally:
         drafter.close()
+
+
+def test_drafting_ahead_stops_before_a_level_the_answer_would_overtake():
+    """A level decoded past the expected answer delays its use whether the guess comes true or not; one left out
+    costs its time later only if it does. With trees after this shape never drafted ahead (prose), drafting ahead
+    stops once the time left is under a level's cost; when they nearly always are (code), only shortly before the
+    answer is due."""
+    from edgespec.edge.planner import StepObservation
+
+    decoder = Decoder(None, None, SessionStats(), None, lambda t: False, pipelined=True)
+    try:
+        planner = decoder.planner
+        tree16 = next(s for s in planner.ladder if s.label == "tree16")
+        rung = planner.ladder.index(tree16)
+        for _ in range(4):   # a 100 ms link, 2 ms verifier; tree16 levels cost 30 ms to draft
+            planner.observe(StepObservation(nodes=16, draft_s=0.18, draft_decodes=6, network_s=0.1, bytes_up=176,
+                                            verify_s=0.002, queue_s=0.0, scores=np.full(16, 0.5),
+                                            accepted=np.zeros(16, bool), shape="tree16", prepared=False))
+        in_flight = Draft(TokenTree.chain(1, [2] * 16), [0] * 17, np.ones(17), shape="tree16")
+        answered = threading.Event()
+        now = time.perf_counter()
+        expected = planner.answer_seconds(16)
+        assert 0.1 < expected < 0.11 and abs(planner.decode_seconds(rung) - 0.03) < 1e-9
+        planner.prepared_by_rung[rung] = (8, 0.0)     # prose: never drafted ahead after tree16
+        assert not decoder._ahead_stop(answered.is_set, in_flight, now, tree16)()            # 100 ms left
+        assert decoder._ahead_stop(answered.is_set, in_flight, now - expected + 0.02, tree16)()   # 20 ms left
+        planner.prepared_by_rung[rung] = (8, 0.95)    # code: nearly always drafted ahead
+        assert not decoder._ahead_stop(answered.is_set, in_flight, now - expected + 0.01, tree16)()   # 10 ms left
+        assert decoder._ahead_stop(answered.is_set, in_flight, now - expected, tree16)()   # due: a level costs 30 ms
+        answered.set()
+        assert decoder._ahead_stop(answered.is_set, in_flight, now, tree16)()
+    finally:
+        decoder.close()

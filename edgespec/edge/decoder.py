@@ -178,14 +178,15 @@ class Decoder:
             # verifier nearby), and the loop would wait for the draft. The draft model takes in the
             # tokens committed meanwhile when it drafts again (TreeContext.sync), at its next tree's cost.
             if self.drafts_ahead and len(draft.tree) > 1:
-                with self._on_verify_thread(self.verifier.verify, committed, draft.tree, sampling, step) as future:
-                    prepared = self._draft_ahead(committed, draft, sampling, step + 1, future.done)
-                result = future.result()
+                with self._on_verify_thread(_timed, self.verifier.verify, committed, draft.tree, sampling, step) as future:
+                    prepared = self._draft_ahead(committed, draft, sampling, step + 1, future.done, sent)
+                result, came = future.result()
             else:
                 result = self.verifier.verify(committed, draft.tree, sampling, step)
                 prepared = None
                 if len(draft.tree) > 1:
                     self.drafter.accept(draft, result.path)
+                came = None
             answered = time.perf_counter()
 
             committed.extend(result.tokens)  # all of it: the verifier's context now ends so
@@ -193,7 +194,7 @@ class Decoder:
             end = next((i for i, t in enumerate(new) if self.is_end(t)), None)
             emitted = new if end is None else new[:end]
             produced += len(emitted)
-            self._record(draft, result, emitted, started, sent, answered, hit)
+            self._record(draft, result, emitted, started, sent, answered, hit, 0.0 if came is None else answered - came)
             step += 1
             if emitted:
                 yield emitted
@@ -252,16 +253,34 @@ class Decoder:
         return draft
 
     def _draft_ahead(self, committed: list[int], draft: Draft, sampling: SamplingParams, step: int,
-                     stop: Callable[[], bool]) -> _Prepared | None:
-        """Draft the next tree assuming the in-flight tree's most probable path is accepted."""
+                     answered: Callable[[], bool], sent: float) -> _Prepared | None:
+        """Draft the next tree assuming the in-flight tree (sent at `sent`) has its most probable path accepted."""
         path = main_path(draft)
         self.drafter.accept(draft, path)
         guess = committed + draft.tree.tokens[path].tolist()
         guess.append(self.drafter.predict_next(guess))
-        if stop():
+        if answered():
             return None
         shape, plan = self._choose()
+        stop = self._ahead_stop(answered, draft, sent, shape)
         return _Prepared(guess, self._draft(guess, sampling, step, stop=stop, shape=shape, plan=plan), shape, plan)
+
+    def _ahead_stop(self, answered: Callable[[], bool], in_flight: Draft, sent: float,
+                    shape: TreeShape) -> Callable[[], bool]:
+        """When drafting ahead stops before a level: at the answer, or, with a planner, when the level would end
+        after the expected answer by more than it saves. A level the answer overtakes delays the answer's use by
+        its overrun, hit or miss; one not decoded costs its time later only if the guess comes true (share p, the
+        in-flight tree's rung's: Planner.prepared_for). So a level starts only while the time left until the
+        expected answer is at least (1 - p) times the level's cost. Decoding on regardless, prose at 100 ms RTT
+        on an H100 host used the answers of tree16 steps 120-137 ms after sending them, those of chains after
+        105 ms, and almost none of the trees drafted ahead there came true (thirtieth session's e2e trace)."""
+        planner = self.planner
+        if planner is None:
+            return answered
+        expected = sent + planner.answer_seconds(len(in_flight.tree) - 1)
+        level_s = planner.decode_seconds(planner._rung(shape.label))
+        keep = 1.0 - planner.prepared_for(planner._rung(in_flight.shape))
+        return lambda: answered() or expected - time.perf_counter() < keep * level_s
 
     def _finish(self, prepared: _Prepared, sampling: SamplingParams, step: int) -> Draft:
         """The guess came true but the answer cut the prepared tree short: grow it on to the full
@@ -272,7 +291,9 @@ class Decoder:
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _record(self, draft: Draft, result: VerifyResult, emitted: list[int], started: float, sent: float,
-                answered: float, prepared: bool) -> None:
+                answered: float, prepared: bool, late: float) -> None:
+        """Count the step, trace it (`late`: how long its answer waited for the drafting ahead to stop), and show
+        the planner what it cost."""
         s = self.stats
         s.steps += 1
         s.shapes[draft.shape] = s.shapes.get(draft.shape, 0) + 1
@@ -282,20 +303,24 @@ class Decoder:
         s.draft_seconds += sent - started
         s.verify_seconds += answered - sent
         s.seconds += answered - started
-        if s.trace is not None:
+        if self.planner is None and s.trace is None:
+            return
+        accepted = np.zeros(len(draft.tree) - 1, bool)
+        accepted[np.array(result.path, int) - 1] = True
+        obs = StepObservation(
+            nodes=len(draft.tree) - 1, draft_s=draft.seconds, draft_decodes=draft.decodes,
+            network_s=result.network_s, bytes_up=result.bytes_up, verify_s=result.compute_s,
+            queue_s=result.queue_s, scores=draft.scores[1:], accepted=accepted,
+            depths=draft.tree.depths[1:], shape=draft.shape, prepared=prepared, wall_s=answered - started,
+            catchup=catching_up(draft.catchup_tokens))
+        if s.trace is not None:   # what the planner saw too (obs), so a recorded run can be replayed through it
             s.trace.append({"shape": draft.shape, "nodes": len(draft.tree) - 1, "accepted": len(result.path),
                             "prepared": prepared, "draft_ms": round(1000 * (sent - started), 2),
-                            "wall_ms": round(1000 * (answered - started), 2),
-                            **({"why": draft.plan[0], "rates": [round(r, 1) for r in draft.plan[1]]} if draft.plan else {})})
+                            "wall_ms": round(1000 * (answered - started), 2), "late_ms": round(1000 * late, 2),
+                            **({"why": draft.plan[0], "rates": [round(r, 1) for r in draft.plan[1]]} if draft.plan else {}),
+                            "obs": obs.to_record()})
         if self.planner is not None:
-            accepted = np.zeros(len(draft.tree) - 1, bool)
-            accepted[np.array(result.path, int) - 1] = True
-            self.planner.observe(StepObservation(
-                nodes=len(draft.tree) - 1, draft_s=draft.seconds, draft_decodes=draft.decodes,
-                network_s=result.network_s, bytes_up=result.bytes_up, verify_s=result.compute_s,
-                queue_s=result.queue_s, scores=draft.scores[1:], accepted=accepted,
-                depths=draft.tree.depths[1:], shape=draft.shape, prepared=prepared, wall_s=answered - started,
-                catchup=catching_up(draft.catchup_tokens)))
+            self.planner.observe(obs)
             if s.steps % SNAPSHOT_EVERY == 0:
                 self._publish_planner()
 
@@ -304,6 +329,12 @@ class Decoder:
         ends, not every step (building it cost ~10 µs of a 3.4 ms step next to a GPU verifier)."""
         if self.planner is not None:
             self.stats.extra["planner"] = self.planner.snapshot()
+
+
+def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """fn(*args) and the perf_counter() time it returned (when a verify answer came, on the verify thread)."""
+    result = fn(*args)
+    return result, time.perf_counter()
 
 
 def main_path(draft: Draft) -> list[int]:

@@ -108,6 +108,26 @@ class StepObservation:
     catchup: bool = False      # the draft model first prefilled a context it lagged (catching_up): draft_s is
                                # mostly that prefill, not what drafting the shape costs
 
+    def to_record(self) -> dict:
+        """A JSON-able copy (a step trace's `obs`): tools/replay_planner.py feeds it back with from_record, so
+        recorded runs (a GPU host's e2e) can be replayed through another planner version on any machine."""
+        return {"nodes": self.nodes, "draft_s": round(self.draft_s, 6), "draft_decodes": self.draft_decodes,
+                "network_s": round(self.network_s, 6), "bytes_up": self.bytes_up, "verify_s": round(self.verify_s, 6),
+                "queue_s": round(self.queue_s, 6), "scores": np.round(self.scores, 5).tolist(),
+                "accepted": np.flatnonzero(self.accepted).tolist(),
+                "depths": None if self.depths is None else np.asarray(self.depths).tolist(), "shape": self.shape,
+                "prepared": self.prepared, "wall_s": round(self.wall_s, 6), "catchup": self.catchup}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "StepObservation":
+        """The observation to_record wrote (scores rounded to 5 decimals, seconds to the microsecond)."""
+        fields = dict(record)
+        fields["scores"] = np.array(record["scores"], np.float64)
+        fields["accepted"] = np.zeros(record["nodes"], bool)
+        fields["accepted"][record["accepted"]] = True
+        fields["depths"] = None if record["depths"] is None else np.array(record["depths"], np.int64)
+        return cls(**fields)
+
 
 def _prepared_mean(share: float, count: int, hit: float) -> float:
     """A drafted-ahead share after its count-th observation `hit`: a mean with the share before the first worth
@@ -360,16 +380,20 @@ class Planner:
         this session's draft model, or `draft_s` when given (the router's per-expert cost).
         flat_verify: price the tree's verification like a target-only step's (the optimistic case).
         prepared: the share of such steps drafted ahead (prepared_for(rung)); default the all-steps share."""
-        up = BYTES_PER_MESSAGE + nodes * BYTES_PER_NODE + q_entries * BYTES_PER_Q_ENTRY
-        # Queueing is the symptom of a shared, saturated verifier: rather than a fixed delay (which
-        # would favour ever bigger trees), it scales what our nodes cost, so trees shrink under load.
-        verify = (self.verify.a + self.verify.b * (1 if flat_verify else nodes + 1)) * self.load_factor
         draft = decodes * self.draft_per_decode_s if draft_s is None else draft_s
-        answer = self.network(up) + verify
+        answer = self.answer_seconds(nodes, q_entries, flat_verify)
         if nodes:   # drafted ahead and sent (share p): the drafting overlapped the previous round trip
             p = self.prepared_share if prepared is None else prepared
             return max(p * max(draft, answer) + (1 - p) * (draft + answer), 1e-9)
         return max(answer, 1e-9)  # never 0: rates divide by it
+
+    def answer_seconds(self, nodes: int, q_entries: int = 0, flat_verify: bool = False) -> float:
+        """Predicted time from sending a tree of `nodes` drafted nodes to its answer: link and verifier."""
+        up = BYTES_PER_MESSAGE + nodes * BYTES_PER_NODE + q_entries * BYTES_PER_Q_ENTRY
+        # Queueing is the symptom of a shared, saturated verifier: rather than a fixed delay (which
+        # would favour ever bigger trees), it scales what our nodes cost, so trees shrink under load.
+        verify = (self.verify.a + self.verify.b * (1 if flat_verify else nodes + 1)) * self.load_factor
+        return self.network(up) + verify
 
     def expected_tokens(self, rung: int, typical: tuple[float, float] | None = None) -> float:
         """1 + expected accepted drafts for a ladder rung: what it achieved in this request; for a
@@ -490,12 +514,17 @@ class Planner:
         flat_verify = self.verify_flat(optimistic)
         if not shape.budget:
             return self.step_seconds(0, 0, flat_verify=flat_verify)
+        return self.step_seconds(shape.budget, shape.max_depth, draft_s=shape.max_depth * self.decode_seconds(rung, optimistic),
+                                 flat_verify=flat_verify, prepared=self.prepared_for(rung))
+
+    def decode_seconds(self, rung: int, optimistic: bool = False) -> float:
+        """One drafting decode (a tree level) of this rung's shape: its own measured cost, else priced from the
+        shapes drafted so far (_wide_row_cost)."""
         per_decode = self.decode_s_by_rung.get(rung)
         if per_decode is None:   # untried: a level of `width` rows costs more than a chain's one row
             chain_s, row_cost = self._wide_row_cost(optimistic)
-            per_decode = chain_s * (1 + row_cost * (shape.width - 1))
-        return self.step_seconds(shape.budget, shape.max_depth, draft_s=shape.max_depth * per_decode,
-                                 flat_verify=flat_verify, prepared=self.prepared_for(rung))
+            per_decode = chain_s * (1 + row_cost * (self.ladder[rung].width - 1))
+        return per_decode
 
     def prepared_for(self, rung: int) -> float:
         """The share of steps after a tree of this rung that sent a tree drafted ahead (the all-steps share

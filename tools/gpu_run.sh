@@ -130,6 +130,8 @@ case $phase in
     # every greedy divergence from AR, recomputed in the GPU verifier's own steps (1-row and tree rows)
     python3 tools/explain_divergence.py "$OUT/e2e.json" --all --backend torch --device cuda --target "$TARGET" \
       --json "$OUT/e2e_divergences.json"
+    # the planner's step-time predictions against the run's measured steps (the same replay runs anywhere later)
+    python3 tools/replay_planner.py "$OUT/e2e.json" --json "$OUT/e2e_replay.json"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -42,7 +42,7 @@ def replay(path: Path) -> tuple[list[dict], dict]:
             if obs.draft_decodes and not planner.draft_calibrated and not obs.prepared:
                 planner.calibrate_draft(obs.draft_s / obs.draft_decodes)
             if obs.draft_decodes:
-                rung = planner._rung(obs.shape)
+                rung = planner.rung_of(obs.shape)
                 steps.append({"rtt_ms": r["rtt_ms"], "mbit": r["mbit"], "shape": obs.shape,
                               "predicted_s": planner._seconds(rung), "wall_s": obs.wall_s})
             planner.observe(obs)

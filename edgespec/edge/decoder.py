@@ -278,8 +278,8 @@ class Decoder:
         if planner is None:
             return answered
         expected = sent + planner.answer_seconds(len(in_flight.tree) - 1)
-        level_s = planner.decode_seconds(planner._rung(shape.label))
-        keep = 1.0 - planner.prepared_for(planner._rung(in_flight.shape))
+        level_s = planner.decode_seconds(planner.rung_of(shape.label))
+        keep = 1.0 - planner.prepared_for(planner.rung_of(in_flight.shape))
         return lambda: answered() or expected - time.perf_counter() < keep * level_s
 
     def _finish(self, prepared: _Prepared, sampling: SamplingParams, step: int) -> Draft:

@@ -284,7 +284,7 @@ class Planner:
         # as its few confident trees (GPU host, 2026-12-01: chain2 chosen on 55 of 56 steps at τ 1.14).
         # Credited to the rung the tree was drafted with: a pipelined decoder has already chosen (and
         # drafted) the next tree when this one is answered, so the last choice may be another rung.
-        rung = self._rung(obs.shape)
+        rung = self.rung_of(obs.shape)
         if self._in_flight_rung is not None:   # a tree was in flight before this one: was this one drafted behind it?
             hit = float(obs.prepared)
             count, share = self.prepared_by_rung.get(self._in_flight_rung, (0, self.prepared_share))
@@ -333,7 +333,7 @@ class Planner:
         np.add.at(self.trials, bins, 1.0)
         np.add.at(self.hits, bins, obs.accepted.astype(float))
 
-    def _rung(self, label: str) -> int:
+    def rung_of(self, label: str) -> int:
         """The ladder rung of a shape label (the last choice when unknown or not given)."""
         return next((i for i, s in enumerate(self.ladder) if s.label == label), self.last_choice) if label \
             else self.last_choice

@@ -8,7 +8,6 @@ grown" (the case of a GPU verifier) happen on every step instead of by chance.
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from edgespec.runtime.tree_verifier import LocalVerifier
 GREEDY = SamplingParams()
 TREE = TreeShape(budget=16, max_depth=6, branching=4, width=4)
 CONFIG = ContextConfig(n_ctx=512, max_tree_nodes=64, n_threads=1)
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
 def tree_of(draft: Draft) -> tuple[list[int], list[int]]:
@@ -216,25 +216,6 @@ def test_the_planner_gets_a_timed_draft_decode_while_the_verifier_prefills(smol_
         assert_lossless(out + ([smol_model.eos] if len(out) < 12 else []), ref, "timed draft decode")
 
 
-class FarVerifier:
-    """A local verifier whose answers take `delay` seconds more, reported as network time (a remote link's round trip):
-    what makes the planner draft trees next to a local target."""
-
-    def __init__(self, verifier: LocalVerifier, delay: float) -> None:
-        self.inner, self.delay = verifier, delay
-
-    def sync(self, context: Sequence[int]) -> None:
-        self.inner.sync(context)
-
-    def verify(self, context: Sequence[int], tree: TokenTree, sampling: SamplingParams, step: int) -> VerifyResult:
-        threading.Event().wait(self.delay)
-        result = self.inner.verify(context, tree, sampling, step)
-        return dataclasses.replace(result, network_s=self.delay, bytes_up=48 + 8 * (len(tree) - 1))
-
-    def close(self) -> None:
-        self.inner.close()
-
-
 def test_a_recorded_run_replays_to_the_planner_it_made(smol_model, prompt, tmp_path):
     """tools/replay_planner.py, fed a run's step traces as bench_link records them, ends with a planner that learned
     what the live one did (fits, acceptance bins, realized tokens, drafted-ahead shares): the trace holds every
@@ -245,7 +226,8 @@ def test_a_recorded_run_replays_to_the_planner_it_made(smol_model, prompt, tmp_p
 
     drafter = Drafter(smol_model, CONFIG)
     stats = SessionStats()
-    verifier = FarVerifier(LocalVerifier(smol_model, CONFIG), delay=0.06)
+    delayed = runpy.run_path(str(TOOLS / "bench_ahead_stop.py"))["DelayedVerifier"]   # a 60 ms link's round trip
+    verifier = delayed(LocalVerifier(smol_model, CONFIG), delay=0.06)
     decoder = Decoder(drafter, verifier, stats, None, smol_model.is_end_of_generation, pipelined=True)
     traces = []
     try:
@@ -259,7 +241,7 @@ def test_a_recorded_run_replays_to_the_planner_it_made(smol_model, prompt, tmp_p
         verifier.close()
         drafter.close()
     live = decoder.planner
-    tool = runpy.run_path(str(Path(__file__).resolve().parents[1] / "tools" / "replay_planner.py"))
+    tool = runpy.run_path(str(TOOLS / "replay_planner.py"))
     runs = [{"mode": "adaptive", "rtt_ms": 0.0, "mbit": 0.0, "trace": trace} for trace in traces]
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"meta": {"max_tokens": 24, "runs": runs}}))

@@ -109,7 +109,6 @@ class _Prepared:
     context: list[int]   # the committed context this draft assumes
     draft: Draft
     shape: TreeShape     # the shape it was drafted with (to finish it in, if it was cut short)
-    plan: tuple[str, tuple[float, ...]] | None   # the planner's choice behind it (Draft.plan)
 
 
 SNAPSHOT_EVERY = 16   # steps between refreshes of stats.extra["planner"] (and at the end of each run)
@@ -263,7 +262,7 @@ class Decoder:
             return None
         shape, plan = self._choose()
         stop = self._ahead_stop(answered, draft, sent, shape)
-        return _Prepared(guess, self._draft(guess, sampling, step, stop=stop, shape=shape, plan=plan), shape, plan)
+        return _Prepared(guess, self._draft(guess, sampling, step, stop=stop, shape=shape, plan=plan), shape)
 
     def _ahead_stop(self, answered: Callable[[], bool], in_flight: Draft, sent: float,
                     shape: TreeShape) -> Callable[[], bool]:
@@ -287,7 +286,7 @@ class Decoder:
         shape (the drafter resumes where it stopped, its KV cache untouched since), so what goes
         out is the tree drafting at this step would have made. Sent as cut, prepared trees
         accepted about half the tokens (docs/BENCHMARKS.md, issue 10)."""
-        return self._draft(prepared.context, sampling, step, shape=prepared.shape, plan=prepared.plan)
+        return self._draft(prepared.context, sampling, step, shape=prepared.shape, plan=prepared.draft.plan)
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _record(self, draft: Draft, result: VerifyResult, emitted: list[int], started: float, sent: float,

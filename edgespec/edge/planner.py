@@ -229,7 +229,6 @@ class Planner:
     trials: np.ndarray = field(default_factory=lambda: np.ones(len(SCORE_BINS) - 1) * 2)
     steps: int = 0
     last_choice: int = 2     # chain(4) until the first choice
-    exploring: bool = False  # the last choice tries a neighbouring shape (see choose)
     # why the last choice was made ("best", "try": a request's one-off try, "explore", "arm": the router's turn without
     # an arm) and the predicted tokens/s per rung it compared: what a step trace records
     last_why: str = "best"
@@ -439,6 +438,12 @@ class Planner:
         self._try_next, self._try_full = 1, False
         self._in_flight_rung = None   # a request's first tree is never drafted ahead
 
+    @property
+    def exploring(self) -> bool:
+        """The last choice tries a shape other than the best (a request's one-off try or an exploration; see
+        choose): such a tree goes out unpruned."""
+        return self.last_why in ("try", "explore")
+
     def choose(self) -> TreeShape:
         """The ladder shape with the best predicted tokens/second. Every explore_every steps a
         neighbouring shape is tried instead, unpruned (`exploring`), so estimates stay fresh. Each
@@ -456,7 +461,7 @@ class Planner:
         gate (`learning`: tried whatever the gate says); seconds(rung, optimistic) prices a rung
         (the router's planner passes its arm's)."""
         best = int(np.argmax(rates))
-        self.exploring, self.last_why, self.last_rates = False, "best", rates
+        self.last_why, self.last_rates = "best", rates
         # A try waits for one measured step: before it every price is a prior. (On the H200 host the
         # priors' 50 ms target-only step let a fresh session draft at 0 ms, where a target-only step
         # takes 3.5 ms: 0.04 s of the answer's 0.75 s, 2026-12-01.)
@@ -467,7 +472,7 @@ class Planner:
                 and self._try_tokens(n) / seconds(n, True) > rates[best]
                 and self._try_affordable(n, best, rates[best], seconds)):
             self.explore_seconds += seconds(n, False)
-            best, self.exploring, self.last_why = n, True, "try"
+            best, self.last_why = n, "try"
         elif len(self.ladder) > 1 and self.steps > 0 and self.steps % self.explore_every == 0:
             e = self.explore_every
             up = best == 0 or (self.steps % (2 * e) and best + 1 < len(self.ladder))  # alternate; turn at the ends
@@ -481,7 +486,7 @@ class Planner:
             cheap = tried < 3 and cost <= 2 * seconds(best, False)
             affordable = cheap or self.explore_seconds + cost <= EXPLORE_SHARE * (self.wall_seconds + cost)
             if learning or (could_pay and affordable and (not known_bad or self.steps % (4 * e) == 0)):
-                best, self.exploring, self.last_why = n, True, "explore"
+                best, self.last_why = n, "explore"
                 self.explore_seconds += cost
         self.last_choice = best
         return self.ladder[best]

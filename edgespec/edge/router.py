@@ -387,7 +387,7 @@ class RoutedPlanner(Planner):
         if self.turn is None:
             return super().choose()
         if self.turn.arm is None:   # no arm may draft this turn (e.g. none drafts alone under the
-            self.exploring = False  # sampled rule): the router's choice, target-only, every step
+            # sampled rule): the router's choice, target-only, every step
             self.last_choice, self.last_why, self.last_rates = self.turn.rung, "arm", []
             return self.ladder[self.turn.rung]
         arm = self.router.arms[self.turn.arm]

@@ -312,3 +312,39 @@ def test_drafting_ahead_stops_before_a_level_the_answer_would_overtake():
         assert decoder._ahead_stop(answered.is_set, in_flight, now, tree16)()
     finally:
         decoder.close()
+
+
+def test_the_simulated_verifier_answers_as_the_target_does(smol_model, smol_path, prompt, tmp_path, monkeypatch):
+    """tools/bench_planner_sim.py's ReferenceVerifier: the reference is the target's own greedy output (computed with
+    the product's decoder, target-only), a tree is answered with its longest path along it plus the next reference
+    token, and a pipelined run of trees through it (drafting ahead, after the RTT) commits exactly the reference."""
+    import runpy
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))   # the references' cache
+    tool = runpy.run_path(str(TOOLS / "bench_planner_sim.py"))
+    [reference] = tool["references"](smol_path, [prompt], 24, 512, 1)
+    assert reference == target_only_greedy(smol_model, prompt, 24).tokens[:len(reference)] and len(reference) >= 12
+    verifier = tool["ReferenceVerifier"]({tuple(prompt): reference}, rtt_s=0.02)
+    context = [*prompt, *reference[:3]]
+    wrong = (reference[5] + 1) % smol_model.n_vocab
+    tree = TokenTree(tokens=np.array([context[-1], reference[3], reference[4], wrong, reference[4]], np.int32),
+                     parents=np.array([-1, 0, 1, 2, 0], np.int32))
+    started = time.perf_counter()
+    result = verifier.verify(context, tree, GREEDY, 0)
+    assert time.perf_counter() - started >= 0.02 and result.network_s == 0.02
+    assert result.path == [1, 2] and result.tokens == reference[3:6]
+    with pytest.raises(ValueError, match="left the reference"):
+        verifier.verify([*prompt, wrong], tree, GREEDY, 0)
+    with pytest.raises(ValueError, match="greedy"):
+        verifier.verify(context, tree, SamplingParams(temperature=0.7), 0)
+
+    drafter = Drafter(smol_model, CONFIG)
+    tree16 = TreeShape(budget=16, max_depth=6, branching=4, width=4)
+    decoder = Decoder(drafter, verifier, SessionStats(), tree16, smol_model.is_end_of_generation, pipelined=True)
+    try:
+        out = [t for step in decoder.run(prompt, len(reference) - 10, GREEDY) for t in step]
+    finally:
+        decoder.close()
+        drafter.close()
+    assert out == reference[:len(out)] and len(out) >= len(reference) - 10 - 1
+    assert decoder.stats.accepted > 0 and decoder.stats.prepared_hits > 0

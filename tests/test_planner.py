@@ -343,6 +343,31 @@ def test_shapes_a_request_has_not_drafted_are_priced_with_its_acceptance():
     assert abs(p.expected_tokens(2) - tree_tokens(p.ladder[2], 5 / 6, a_sibling)) < 1e-9 and p.expected_tokens(2) > 3.5
 
 
+def test_shapes_a_request_has_not_drafted_are_scaled_by_what_its_trees_achieved():
+    """Prose after code: the request's chain4 trees accept nothing of the ~4 drafts earlier requests predicted
+    for them, so tree32, never drafted, is priced down by the same shortfall instead of at the confidence
+    code taught the score bins (which made every untried shape look better than the ones prose had tried)."""
+    from edgespec.edge.planner import REQUEST_RATIO_PRIOR
+
+    p = Planner()
+    chain4, tree32 = p.rung_of("chain4"), p.rung_of("tree32")
+    p.begin_request()
+    observe_tree(p, "chain4", 4, 4, steps=12)             # code: every node accepted
+    assert p.realized[chain4][1] == 5.0
+    p.begin_request()
+    untried = p.expected_tokens(tree32)
+    assert untried > 3 and p._request_ratio() == 1.0      # nothing drafted yet: earlier requests' price
+    observe_tree(p, "chain4", 4, 0, steps=3)              # prose: nothing accepted
+    ratio = REQUEST_RATIO_PRIOR / (3 * 4 + REQUEST_RATIO_PRIOR)   # 0 of 3 × 4 predicted drafts accepted
+    assert abs(p._request_ratio() - ratio) < 1e-9
+    assert p.expected_tokens(tree32) < 1 + 0.2 * (untried - 1)
+    p.begin_request()                                     # a request doing better than predicted: no raise
+    observe_tree(p, "chain4", 4, 4, steps=3)
+    assert p._request_ratio() == 1.0
+    p.requests = 0                                        # one open-ended run: no per-request scaling
+    assert p._request_ratio() == 1.0
+
+
 def test_a_pruned_tree_accepted_whole_does_not_climb():
     """A chain2 tree that pruning cut to one node, accepted, says nothing about chain4 (on prose that
     climbed to tree8 and tree16 and cost seconds of drafting)."""

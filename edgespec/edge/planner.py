@@ -64,6 +64,12 @@ REALIZED_WINDOW = 8        # realized tokens per rung: a running mean over about
 # RTT on the H200 host climbed tree8, tree16, tree32 and tree64 in a 64-token answer (one tree64 is ten 8-row
 # decodes, ~0.5 s) and ran 10 % behind fixed chain4 (docs/BENCHMARKS.md, twenty-sixth session's e2e)
 TRY_SHARE = 0.1
+# Shapes a request has not drafted are priced from earlier requests, scaled by how much of that its own trees
+# achieved (Planner._request_ratio, never above 1), with this many accepted drafts of agreement before any. Priced
+# without it, prose after a code answer (whose confident nodes were accepted 99 % of the time) found every untried
+# shape better than the ones its trees had tried: on a simulated 200 ms link (tools/bench_planner_sim.py) it climbed
+# tree16, tree32 and tree64 as `best` and ran 0.78x fixed chain4 on that prompt.
+REQUEST_RATIO_PRIOR = 2.0
 REQUEST_EVIDENCE = 4       # path nodes a request must have tried before its acceptance prices other shapes
 # A tree accepted to its depth re-tries the next shape up while the request has drafted fewer than this many trees of
 # it. A shape the request drafted is priced by its own trees, so one poor chain4 tree kept a code answer on chain2 to
@@ -254,6 +260,10 @@ class Planner:
     # trees observed per rung in the current request (begin_request), and a larger rung to try at
     # the next choice (the request's first drafted shape; one up after a tree accepted to its depth)
     _request_trees: dict[int, int] = field(default_factory=dict, repr=False)
+    # per rung drafted in the current request: its price from earlier requests at its first tree (_earlier_tokens),
+    # and the drafts its trees accepted (_request_ratio)
+    _request_prior: dict[int, float] = field(default_factory=dict, repr=False)
+    _request_accepted: dict[int, int] = field(default_factory=dict, repr=False)
     _try_next: int | None = field(default=None, repr=False)
     _try_full: bool = field(default=False, repr=False)   # _try_next follows a tree accepted to its depth
     # this request's acceptance along the path: [accepted nodes, nodes the walk tried] (a tree whose
@@ -311,7 +321,10 @@ class Planner:
         # while an overrated one corrects itself on its next tree. (Replaced outright, prose after code
         # went target-only after a few trees at 100 ms and ran 1.0x AR where chain4 ran 1.7x: H200 host.)
         seen = self._request_trees.get(rung, 0)
+        if not seen:   # what earlier requests predicted for this shape, before this request's trees of it
+            self._request_prior[rung] = self._earlier_tokens(rung)
         self._request_trees[rung] = seen + 1
+        self._request_accepted[rung] = self._request_accepted.get(rung, 0) + int(obs.accepted.sum())
         if obs.nodes:
             k = int(obs.accepted.sum())
             deepest = int(obs.depths.max()) if obs.depths is not None else obs.nodes
@@ -398,21 +411,39 @@ class Planner:
         """1 + expected accepted drafts for a ladder rung: what it achieved in this request; for a
         shape this request has not drafted, the running mean of earlier requests (after 3 uses), else
         a guess from the calibrated acceptance of a typical tree (depth d of a chain is accepted with
-        probability a^d, a = acceptance of confident nodes), or what this request's acceptance along
+        probability a^d, a = acceptance of confident nodes), its accepted drafts scaled down by what the
+        request's own trees achieved of their such prices (_request_ratio), or what this request's acceptance along
         the path predicts for it when that is more (a code answer drafted with chain2 accepting 0.95
         of its nodes predicts chain4's 4.5), once the request has tried REQUEST_EVIDENCE nodes.
         typical: (a, a_sibling) when the caller has them already."""
         count, mean = self.realized.get(rung, (0, 0.0))
         if self.requests and rung in self._request_trees:
             return mean
+        earlier = 1 + self._request_ratio() * (self._earlier_tokens(rung, typical) - 1)
         a, a_sibling = typical or self.typical_acceptance()
-        earlier = mean if count >= 3 else tree_tokens(self.ladder[rung], a, a_sibling)
         accepted, tried = self._request_path
         if self.requests and tried >= REQUEST_EVIDENCE:   # a shape not drafted in this request: this request's acceptance
             # raises it (code after prose), but does not write it off before one of its own trees has
             # been seen (prose after code: as for a first tree that did worse, see observe)
             return max(tree_tokens(self.ladder[rung], (accepted + 1) / (tried + 2), a_sibling), earlier)
         return earlier
+
+    def _earlier_tokens(self, rung: int, typical: tuple[float, float] | None = None) -> float:
+        """1 + expected accepted drafts for a rung from earlier requests alone: its running mean after 3 uses, else
+        the calibrated acceptance of a typical tree."""
+        count, mean = self.realized.get(rung, (0, 0.0))
+        return mean if count >= 3 else tree_tokens(self.ladder[rung], *(typical or self.typical_acceptance()))
+
+    def _request_ratio(self) -> float:
+        """How much of what earlier requests predicted this request's trees accepted (≤ 1; 1 before any tree):
+        accepted drafts over predicted, summed over the shapes drafted, with REQUEST_RATIO_PRIOR drafts of
+        agreement. It scales the prices of the shapes this request has not drafted, as the request's own trees
+        rescaled the ones it did (observe)."""
+        if not self.requests:   # one open-ended run: its trees are what `realized` already holds
+            return 1.0
+        accepted = sum(self._request_accepted.values())
+        predicted = sum(n * (self._request_prior[r] - 1) for r, n in self._request_trees.items())
+        return min(1.0, (accepted + REQUEST_RATIO_PRIOR) / (predicted + REQUEST_RATIO_PRIOR))
 
     def typical_acceptance(self) -> tuple[float, float]:
         """Calibrated acceptance of a confident node (score 0.9) and of an unlikely one (0.1)."""
@@ -432,7 +463,7 @@ class Planner:
         max_tokens: the most the request may produce; each such try then costs at most TRY_SHARE of what is left."""
         self.requests += 1
         self.request_left = max_tokens
-        self._request_trees = {}
+        self._request_trees, self._request_prior, self._request_accepted = {}, {}, {}
         self._request_path = [0, 0]
         self._tokens_by_rung = None
         self._try_next, self._try_full = 1, False

@@ -346,21 +346,24 @@ def test_shapes_a_request_has_not_drafted_are_priced_with_its_acceptance():
 def test_shapes_a_request_has_not_drafted_are_scaled_by_what_its_trees_achieved():
     """Prose after code: the request's chain4 trees accept nothing of the ~4 drafts earlier requests predicted
     for them, so tree32, never drafted, is priced down by the same shortfall instead of at the confidence
-    code taught the score bins (which made every untried shape look better than the ones prose had tried)."""
+    code taught the score bins (which made every untried shape look better than the ones prose had tried).
+    chain2, smaller than any shape drafted, keeps its earlier price: cheap to find out about, it is not written off."""
     from edgespec.edge.planner import REQUEST_RATIO_PRIOR
 
     p = Planner()
-    chain4, tree32 = p.rung_of("chain4"), p.rung_of("tree32")
+    chain2, chain4, tree32 = p.rung_of("chain2"), p.rung_of("chain4"), p.rung_of("tree32")
     p.begin_request()
     observe_tree(p, "chain4", 4, 4, steps=12)             # code: every node accepted
-    assert p.realized[chain4][1] == 5.0
+    observe_tree(p, "chain2", 2, 2, steps=3)
+    assert p.realized[chain4][1] == 5.0 and p.realized[chain2][1] == 3.0
     p.begin_request()
     untried = p.expected_tokens(tree32)
     assert untried > 3 and p._request_ratio() == 1.0      # nothing drafted yet: earlier requests' price
-    observe_tree(p, "chain4", 4, 0, steps=3)              # prose: nothing accepted
-    ratio = REQUEST_RATIO_PRIOR / (3 * 4 + REQUEST_RATIO_PRIOR)   # 0 of 3 × 4 predicted drafts accepted
+    observe_tree(p, "chain4", 4, 0, steps=6)              # prose: nothing accepted
+    ratio = REQUEST_RATIO_PRIOR / (6 * 4 + REQUEST_RATIO_PRIOR)   # 0 of 6 × 4 predicted drafts accepted
     assert abs(p._request_ratio() - ratio) < 1e-9
-    assert p.expected_tokens(tree32) < 1 + 0.2 * (untried - 1)
+    assert p.expected_tokens(tree32) < 1 + 0.25 * (untried - 1)
+    assert p.expected_tokens(chain2) == 3.0
     p.begin_request()                                     # a request doing better than predicted: no raise
     observe_tree(p, "chain4", 4, 4, steps=3)
     assert p._request_ratio() == 1.0

@@ -64,12 +64,13 @@ REALIZED_WINDOW = 8        # realized tokens per rung: a running mean over about
 # RTT on the H200 host climbed tree8, tree16, tree32 and tree64 in a 64-token answer (one tree64 is ten 8-row
 # decodes, ~0.5 s) and ran 10 % behind fixed chain4 (docs/BENCHMARKS.md, twenty-sixth session's e2e)
 TRY_SHARE = 0.1
-# Shapes a request has not drafted are priced from earlier requests, scaled by how much of that its own trees
-# achieved (Planner._request_ratio, never above 1), with this many accepted drafts of agreement before any. Priced
-# without it, prose after a code answer (whose confident nodes were accepted 99 % of the time) found every untried
-# shape better than the ones its trees had tried: on a simulated 200 ms link (tools/bench_planner_sim.py) it climbed
-# tree16, tree32 and tree64 as `best` and ran 0.78x fixed chain4 on that prompt.
-REQUEST_RATIO_PRIOR = 2.0
+# Shapes bigger than any a request has drafted are priced from earlier requests, scaled by how much of that its own
+# trees achieved (Planner._request_ratio, never above 1), with this many accepted drafts of agreement before any.
+# Priced without it, prose after a code answer (whose confident nodes were accepted 99 % of the time) found every
+# untried shape better than the ones its trees had tried: on a simulated 200 ms link (tools/bench_planner_sim.py) it
+# climbed tree16, tree32 and tree64 as `best` and ran 0.78x fixed chain4 on that prompt. With 2 drafts of agreement,
+# two poor trees wrote drafting off for the rest of an answer (_request_ratio).
+REQUEST_RATIO_PRIOR = 6.0
 REQUEST_EVIDENCE = 4       # path nodes a request must have tried before its acceptance prices other shapes
 # A tree accepted to its depth re-tries the next shape up while the request has drafted fewer than this many trees of
 # it. A shape the request drafted is priced by its own trees, so one poor chain4 tree kept a code answer on chain2 to
@@ -419,7 +420,9 @@ class Planner:
         count, mean = self.realized.get(rung, (0, 0.0))
         if self.requests and rung in self._request_trees:
             return mean
-        earlier = 1 + self._request_ratio() * (self._earlier_tokens(rung, typical) - 1)
+        earlier = self._earlier_tokens(rung, typical)
+        if self._request_trees and rung > max(self._request_trees):   # bigger than any tree the request drafted
+            earlier = 1 + self._request_ratio() * (earlier - 1)
         a, a_sibling = typical or self.typical_acceptance()
         accepted, tried = self._request_path
         if self.requests and tried >= REQUEST_EVIDENCE:   # a shape not drafted in this request: this request's acceptance
@@ -437,8 +440,10 @@ class Planner:
     def _request_ratio(self) -> float:
         """How much of what earlier requests predicted this request's trees accepted (≤ 1; 1 before any tree):
         accepted drafts over predicted, summed over the shapes drafted, with REQUEST_RATIO_PRIOR drafts of
-        agreement. It scales the prices of the shapes this request has not drafted, as the request's own trees
-        rescaled the ones it did (observe)."""
+        agreement. It scales the prices of the shapes above every one this request has drafted, as the request's
+        own trees rescaled the ones it did (observe). Not those below: they are cheap to find out about, and
+        scaled, two chain4 trees that accepted nothing priced chain2 under target-only, and a code answer ran
+        target-only to its end at 0.55x fixed chain4 (simulated 100 ms link, tools/bench_planner_sim.py)."""
         if not self.requests:   # one open-ended run: its trees are what `realized` already holds
             return 1.0
         accepted = sum(self._request_accepted.values())

@@ -418,16 +418,21 @@ class Planner:
         of its nodes predicts chain4's 4.5), once the request has tried REQUEST_EVIDENCE nodes.
         typical: (a, a_sibling) when the caller has them already."""
         count, mean = self.realized.get(rung, (0, 0.0))
-        if self.requests and rung in self._request_trees:
+        drafted = self._request_trees.get(rung, 0) if self.requests else 0
+        if drafted >= REQUEST_RETRIES:
             return mean
-        earlier = self._earlier_tokens(rung, typical)
-        if self._request_trees and rung > max(self._request_trees):   # bigger than any tree the request drafted
-            earlier = 1 + self._request_ratio() * (earlier - 1)
+        if drafted:
+            earlier = mean
+        else:
+            earlier = self._earlier_tokens(rung, typical)
+            if self._request_trees and rung > max(self._request_trees):   # bigger than any tree the request drafted
+                earlier = 1 + self._request_ratio() * (earlier - 1)
         a, a_sibling = typical or self.typical_acceptance()
         accepted, tried = self._request_path
-        if self.requests and tried >= REQUEST_EVIDENCE:   # a shape not drafted in this request: this request's acceptance
-            # raises it (code after prose), but does not write it off before one of its own trees has
-            # been seen (prose after code: as for a first tree that did worse, see observe)
+        if self.requests and tried >= REQUEST_EVIDENCE:   # this request's acceptance raises a shape it has drafted
+            # fewer than REQUEST_RETRIES trees of (code after prose; a first tree that missed where the request's
+            # others were accepted whole), but does not write it off before its own trees have been seen (prose
+            # after code: as for a first tree that did worse, see observe)
             return max(tree_tokens(self.ladder[rung], (accepted + 1) / (tried + 2), a_sibling), earlier)
         return earlier
 

@@ -343,6 +343,28 @@ def test_shapes_a_request_has_not_drafted_are_priced_with_its_acceptance():
     assert abs(p.expected_tokens(2) - tree_tokens(p.ladder[2], 5 / 6, a_sibling)) < 1e-9 and p.expected_tokens(2) > 3.5
 
 
+def test_a_shape_with_one_poor_tree_in_a_request_is_raised_by_the_requests_acceptance():
+    """A code answer whose first chain4 tree missed at its root, then whose chain2 trees were accepted whole: chain4
+    is priced from the request's path acceptance (as a shape it never drafted would be) until it has drafted
+    REQUEST_RETRIES trees, not held at its halved figure. Held there, a simulated 200 ms link kept code answers on
+    tree8 (~400 ms a step for 6 tokens) where chain4 steps took ~205 ms for 5 (tools/bench_planner_sim.py)."""
+    from edgespec.edge.planner import REQUEST_RETRIES, tree_tokens
+
+    p = Planner(ladder=(TreeShape.target_only(), TreeShape.chain(2), TreeShape.chain(4)))
+    p.begin_request()
+    observe_tree(p, "chain4", 4, 4, steps=6)              # code: chain4 realizes 5 tokens
+    p.begin_request()
+    observe_tree(p, "chain4", 4, 0)                       # this answer's first tree misses at the root ...
+    halved = p.realized[2][1]
+    assert halved == 3.0
+    observe_tree(p, "chain2", 2, 2, steps=3)              # ... and its chain2 trees are accepted whole
+    a_sibling = p.typical_acceptance()[1]
+    raised = tree_tokens(p.ladder[2], (6 + 1) / (7 + 2), a_sibling)   # 6 of 7 path nodes accepted
+    assert abs(p.expected_tokens(2) - raised) < 1e-9 and raised > halved
+    observe_tree(p, "chain4", 4, 0, steps=REQUEST_RETRIES - 1)   # its own trees decide once it has enough of them
+    assert p.expected_tokens(2) == p.realized[2][1] < halved
+
+
 def test_shapes_a_request_has_not_drafted_are_scaled_by_what_its_trees_achieved():
     """Prose after code: the request's chain4 trees accept nothing of the ~4 drafts earlier requests predicted
     for them, so tree32, never drafted, is priced down by the same shortfall instead of at the confidence

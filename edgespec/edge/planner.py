@@ -409,32 +409,32 @@ class Planner:
         return self.network(up) + verify
 
     def expected_tokens(self, rung: int, typical: tuple[float, float] | None = None) -> float:
-        """1 + expected accepted drafts for a ladder rung: what it achieved in this request; for a
-        shape this request has not drafted, the running mean of earlier requests (after 3 uses), else
-        a guess from the calibrated acceptance of a typical tree (depth d of a chain is accepted with
-        probability a^d, a = acceptance of confident nodes), its accepted drafts scaled down by what the
-        request's own trees achieved of their such prices (_request_ratio), or what this request's acceptance along
-        the path predicts for it when that is more (a code answer drafted with chain2 accepting 0.95
-        of its nodes predicts chain4's 4.5), once the request has tried REQUEST_EVIDENCE nodes.
+        """1 + expected accepted drafts for a ladder rung, from the evidence nearest to it:
+        - once this request has drafted REQUEST_RETRIES trees of the shape: what the shape realized (observe);
+        - before that, a base figure: the shape's realized figure if the request drafted it, else earlier requests'
+          (_earlier_tokens), scaled down by _request_ratio when it is bigger than every shape the request drafted;
+        - raised to what this request's acceptance along its paths predicts for the shape, once the request has
+          tried REQUEST_EVIDENCE path nodes (a code answer drafted with chain2 accepting 0.95 of its nodes
+          predicts chain4's 4.5).
         typical: (a, a_sibling) when the caller has them already."""
-        count, mean = self.realized.get(rung, (0, 0.0))
+        mean = self.realized.get(rung, (0, 0.0))[1]
         drafted = self._request_trees.get(rung, 0) if self.requests else 0
         if drafted >= REQUEST_RETRIES:
             return mean
         if drafted:
-            earlier = mean
+            base = mean
         else:
-            earlier = self._earlier_tokens(rung, typical)
+            base = self._earlier_tokens(rung, typical)
             if self._request_trees and rung > max(self._request_trees):   # bigger than any tree the request drafted
-                earlier = 1 + self._request_ratio() * (earlier - 1)
+                base = 1 + self._request_ratio() * (base - 1)
         a, a_sibling = typical or self.typical_acceptance()
         accepted, tried = self._request_path
         if self.requests and tried >= REQUEST_EVIDENCE:   # this request's acceptance raises a shape it has drafted
             # fewer than REQUEST_RETRIES trees of (code after prose; a first tree that missed where the request's
             # others were accepted whole), but does not write it off before its own trees have been seen (prose
             # after code: as for a first tree that did worse, see observe)
-            return max(tree_tokens(self.ladder[rung], (accepted + 1) / (tried + 2), a_sibling), earlier)
-        return earlier
+            return max(tree_tokens(self.ladder[rung], (accepted + 1) / (tried + 2), a_sibling), base)
+        return base
 
     def _earlier_tokens(self, rung: int, typical: tuple[float, float] | None = None) -> float:
         """1 + expected accepted drafts for a rung from earlier requests alone: its running mean after 3 uses, else

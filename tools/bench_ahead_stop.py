@@ -39,9 +39,11 @@ class DelayedVerifier:
         self.inner.sync(context)
 
     def verify(self, context, tree, sampling, step):
+        from edgespec.edge.planner import BYTES_PER_MESSAGE, BYTES_PER_NODE
+
         threading.Event().wait(self.delay)
         result = self.inner.verify(context, tree, sampling, step)
-        return dataclasses.replace(result, network_s=self.delay, bytes_up=48 + 8 * (len(tree) - 1))
+        return dataclasses.replace(result, network_s=self.delay, bytes_up=BYTES_PER_MESSAGE + BYTES_PER_NODE * (len(tree) - 1))
 
     def close(self) -> None:
         self.inner.close()

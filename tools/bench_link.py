@@ -257,27 +257,35 @@ def make_sessions(draft: Path, target: Path, address: str, token: str, n_ctx: in
     return sessions
 
 
+@contextlib.contextmanager
+def run_delta(stats) -> Iterator[dict]:
+    """A SessionStats' change over the block, filled into the yielded dict when it ends: the counters, the steps per
+    shape, and the block's step trace (kept only for the block)."""
+    before = {k: getattr(stats, k) for k in stats.COUNTERS}
+    shapes_before = dict(stats.shapes)
+    delta: dict = {}
+    stats.trace = []
+    try:
+        yield delta
+    finally:
+        trace, stats.trace = stats.trace, None
+    delta.update({k: getattr(stats, k) - before[k] for k in stats.COUNTERS})
+    delta["shapes"] = {k: n - shapes_before.get(k, 0) for k, n in stats.shapes.items() if n > shapes_before.get(k, 0)}
+    delta["trace"] = trace
+
+
 def one_run(session, prompt: list[int], max_tokens: int) -> tuple[dict, list[int]]:
     """Generate greedily; returns the deltas of the decoder's and the link's counters."""
     from edgespec.common.sampling import SamplingParams
 
-    stats = session.decoder.stats
     link = session.verifier.link_stats
-    keys = stats.COUNTERS
     lkeys = ("wall_ms", "rtt_ms", "compute_ms", "queue_ms", "step_bytes_up", "step_bytes_down")
-    before = {k: getattr(stats, k) for k in keys} | {"link_" + k: getattr(link, k) for k in lkeys}
-    shapes_before = dict(stats.shapes)
+    link_before = {k: getattr(link, k) for k in lkeys}
     out: list[int] = []
-    stats.trace = []
-    try:
+    with run_delta(session.decoder.stats) as delta:
         for tokens in session.generate_tokens(prompt, max_tokens, SamplingParams(temperature=0.0)):
             out.extend(tokens)
-    finally:
-        trace, stats.trace = stats.trace, None
-    after = {k: getattr(stats, k) for k in keys} | {"link_" + k: getattr(link, k) for k in lkeys}
-    delta = {k: after[k] - before[k] for k in before}
-    delta["shapes"] = {k: n - shapes_before.get(k, 0) for k, n in stats.shapes.items() if n > shapes_before.get(k, 0)}
-    delta["trace"] = trace
+    delta.update({"link_" + k: getattr(link, k) - link_before[k] for k in lkeys})
     return delta, out
 
 

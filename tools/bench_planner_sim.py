@@ -34,7 +34,7 @@ for p in (str(REPO), str(REPO / "tools"), str(REPO / "tests")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from bench_link import prompt_set  # noqa: E402
+from bench_link import prompt_set, run_delta  # noqa: E402
 from bench_wire import machine  # noqa: E402
 
 # The thirtieth session's GPU e2e (H100 host, torch verifier): verify_ms_fixed ≈ 2.0, per node ≈ 0.011 ms.
@@ -66,25 +66,25 @@ class ReferenceVerifier:
         threading.Event().wait(self.rtt_s + self.fixed_s)
 
     def verify(self, context, tree, sampling, step):
-        from edgespec.common.acceptance import VerifyResult
+        from edgespec.common.acceptance import VerifyResult, follow_target
+        from edgespec.edge.planner import BYTES_PER_MESSAGE, BYTES_PER_NODE
 
         if sampling.temperature > 0:
             raise ValueError("the reference verifier answers greedy requests only")
         ahead = self._continuation(context)
-        children, node, path = tree.children(), 0, []
-        while len(path) + 1 < len(ahead):
-            child = next((c for c in children[node] if int(tree.tokens[c]) == ahead[len(path)]), None)
-            if child is None:
-                break
-            path.append(child)
-            node = child
-        if len(path) >= len(ahead):
-            raise ValueError("the reference is too short for this tree: raise --reference-extra")
+
+        def reference_token(node: int) -> int:   # the target's greedy token after `node`: the reference at its depth
+            depth = len(tree.path_to(node))
+            if depth >= len(ahead):
+                raise ValueError("the reference is too short for this tree: raise --reference-extra")
+            return ahead[depth]
+
+        acc = follow_target(tree, reference_token)
         compute_s = self.fixed_s + self.per_node_s * len(tree)
         threading.Event().wait(self.rtt_s + compute_s)
-        tokens = [int(tree.tokens[i]) for i in path] + [ahead[len(path)]]
-        return VerifyResult(path=path, tokens=tokens, margins=[1.0] * len(tokens), compute_s=compute_s,
-                            network_s=self.rtt_s, bytes_up=48 + 8 * (len(tree) - 1))
+        tokens = [int(tree.tokens[i]) for i in acc.path] + [acc.next_token]
+        return VerifyResult(path=acc.path, tokens=tokens, margins=[1.0] * len(tokens), compute_s=compute_s,
+                            network_s=self.rtt_s, bytes_up=BYTES_PER_MESSAGE + BYTES_PER_NODE * (len(tree) - 1))
 
     def close(self) -> None:
         pass
@@ -125,22 +125,14 @@ def references(target_path: Path, prompts: list[list[int]], n_tokens: int, n_ctx
 
 
 def one_request(decoder, prompt: list[int], max_tokens: int) -> dict:
-    """One greedy answer: its counters' deltas and its step trace."""
+    """One greedy answer: its counters' deltas, its step trace (less the observations) and why each shape was chosen."""
     from edgespec.common.sampling import SamplingParams
 
-    stats = decoder.stats
-    before = {k: getattr(stats, k) for k in stats.COUNTERS}
-    shapes_before = Counter(stats.shapes)
-    stats.trace = []
-    try:
+    with run_delta(decoder.stats) as delta:
         for _ in decoder.run(prompt, max_tokens, SamplingParams()):
             pass
-    finally:
-        trace, stats.trace = stats.trace, None
-    delta = {k: getattr(stats, k) - before[k] for k in stats.COUNTERS}
-    delta["shapes"] = dict(Counter(stats.shapes) - shapes_before)
-    delta["why"] = dict(Counter(f"{s['shape']}:{s.get('why', '')}" for s in trace))
-    delta["trace"] = [{k: v for k, v in s.items() if k != "obs"} for s in trace]
+    delta["why"] = dict(Counter(f"{s['shape']}:{s.get('why', '')}" for s in delta["trace"]))
+    delta["trace"] = [{k: v for k, v in s.items() if k != "obs"} for s in delta["trace"]]
     return delta
 
 

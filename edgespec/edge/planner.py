@@ -261,10 +261,9 @@ class Planner:
     # trees observed per rung in the current request (begin_request), and a larger rung to try at
     # the next choice (the request's first drafted shape; one up after a tree accepted to its depth)
     _request_trees: dict[int, int] = field(default_factory=dict, repr=False)
-    # per rung drafted in the current request: its price from earlier requests at its first tree (_earlier_tokens),
-    # and the drafts its trees accepted (_request_ratio)
+    # per rung drafted in the current request: its price from earlier requests at its first tree (_earlier_tokens,
+    # for _request_ratio)
     _request_prior: dict[int, float] = field(default_factory=dict, repr=False)
-    _request_accepted: dict[int, int] = field(default_factory=dict, repr=False)
     _try_next: int | None = field(default=None, repr=False)
     _try_full: bool = field(default=False, repr=False)   # _try_next follows a tree accepted to its depth
     # this request's acceptance along the path: [accepted nodes, nodes the walk tried] (a tree whose
@@ -325,7 +324,6 @@ class Planner:
         if not seen:   # what earlier requests predicted for this shape, before this request's trees of it
             self._request_prior[rung] = self._earlier_tokens(rung)
         self._request_trees[rung] = seen + 1
-        self._request_accepted[rung] = self._request_accepted.get(rung, 0) + int(obs.accepted.sum())
         if obs.nodes:
             k = int(obs.accepted.sum())
             deepest = int(obs.depths.max()) if obs.depths is not None else obs.nodes
@@ -451,7 +449,7 @@ class Planner:
         target-only to its end at 0.55x fixed chain4 (simulated 100 ms link, tools/bench_planner_sim.py)."""
         if not self.requests:   # one open-ended run: its trees are what `realized` already holds
             return 1.0
-        accepted = sum(self._request_accepted.values())
+        accepted = self._request_path[0]   # every accepted draft lies on its tree's path
         predicted = sum(n * (self._request_prior[r] - 1) for r, n in self._request_trees.items())
         return min(1.0, (accepted + REQUEST_RATIO_PRIOR) / (predicted + REQUEST_RATIO_PRIOR))
 
@@ -473,7 +471,7 @@ class Planner:
         max_tokens: the most the request may produce; each such try then costs at most TRY_SHARE of what is left."""
         self.requests += 1
         self.request_left = max_tokens
-        self._request_trees, self._request_prior, self._request_accepted = {}, {}, {}
+        self._request_trees, self._request_prior = {}, {}
         self._request_path = [0, 0]
         self._tokens_by_rung = None
         self._try_next, self._try_full = 1, False

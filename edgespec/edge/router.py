@@ -386,8 +386,8 @@ class RoutedPlanner(Planner):
         (tried unconditionally, on a GPU verifier nearby every 16th step cost about a third of the speed)."""
         if self.turn is None:
             return super().choose()
-        if self.turn.arm is None:   # no arm may draft this turn (e.g. none drafts alone under the
-            # sampled rule): the router's choice, target-only, every step
+        if self.turn.arm is None:   # no arm may draft this turn (e.g. none drafts alone under the sampled rule):
+            # the router's choice, target-only, every step
             self.last_choice, self.last_why, self.last_rates = self.turn.rung, "arm", []
             return self.ladder[self.turn.rung]
         arm = self.router.arms[self.turn.arm]

@@ -337,6 +337,12 @@ def test_the_simulated_verifier_answers_as_the_target_does(smol_model, smol_path
         verifier.verify([*prompt, wrong], tree, GREEDY, 0)
     with pytest.raises(ValueError, match="greedy"):
         verifier.verify(context, tree, SamplingParams(temperature=0.7), 0)
+    # a path to the end of a reference that stopped at the end token (shorter than asked) is answered; one that ran
+    # out of a reference cut at its length is an error
+    ended = tool["ReferenceVerifier"]({tuple(prompt): reference[:5]}, rtt_s=0.0, n_tokens=24)
+    assert ended.verify(context, tree, GREEDY, 0).path == [1, 2]
+    with pytest.raises(ValueError, match="too short"):
+        tool["ReferenceVerifier"]({tuple(prompt): reference[:5]}, rtt_s=0.0, n_tokens=5).verify(context, tree, GREEDY, 0)
 
     drafter = Drafter(smol_model, CONFIG)
     tree16 = TreeShape(budget=16, max_depth=6, branching=4, width=4)

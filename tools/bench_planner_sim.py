@@ -48,8 +48,11 @@ class ReferenceVerifier:
     the reference's next token. A context that leaves the reference (it cannot, with greedy acceptance) is an error."""
 
     def __init__(self, references: dict[tuple[int, ...], list[int]], rtt_s: float,
-                 fixed_s: float = VERIFY_FIXED_MS / 1e3, per_node_s: float = VERIFY_NODE_MS / 1e3) -> None:
+                 fixed_s: float = VERIFY_FIXED_MS / 1e3, per_node_s: float = VERIFY_NODE_MS / 1e3,
+                 n_tokens: int | None = None) -> None:
+        """n_tokens: how long the references were asked to be; a shorter one ended with the target's end token."""
         self.references, self.rtt_s, self.fixed_s, self.per_node_s = references, rtt_s, fixed_s, per_node_s
+        self.n_tokens = n_tokens
 
     def _continuation(self, context: Sequence[int]) -> list[int]:
         """The reference tokens after `context` (prompt + committed tokens)."""
@@ -60,6 +63,10 @@ class ReferenceVerifier:
                     raise ValueError(f"the context left the reference at token {n}: not greedy, or another target")
                 return reference[n:]
         raise KeyError("no reference for this prompt")
+
+    def _length(self, context: Sequence[int]) -> int:
+        """The length of the reference `context` follows."""
+        return next(len(r) for p, r in self.references.items() if tuple(context[:len(p)]) == p)
 
     def sync(self, context: Sequence[int]) -> None:
         self._continuation(context)
@@ -72,12 +79,15 @@ class ReferenceVerifier:
         if sampling.temperature > 0:
             raise ValueError("the reference verifier answers greedy requests only")
         ahead = self._continuation(context)
+        ended = self.n_tokens is not None and self._length(context) < self.n_tokens
 
         def reference_token(node: int) -> int:   # the target's greedy token after `node`: the reference at its depth
             depth = len(tree.path_to(node))
-            if depth >= len(ahead):
-                raise ValueError("the reference is too short for this tree: raise --reference-extra")
-            return ahead[depth]
+            if depth < len(ahead):
+                return ahead[depth]
+            if ended and ahead:   # a path through the end token: what follows is never committed
+                return ahead[-1]
+            raise ValueError("the reference is too short for this tree: raise --reference-extra")
 
         acc = follow_target(tree, reference_token)
         compute_s = self.fixed_s + self.per_node_s * len(tree)
@@ -162,7 +172,8 @@ def run(args: argparse.Namespace) -> dict:
     runs, planners = [], {}
     for rnd in range(args.rounds):
         for rtt_ms in (float(x) for x in args.rtts.split(",")):
-            verifier = ReferenceVerifier(table, rtt_ms / 1e3, args.verify_fixed_ms / 1e3, args.verify_node_ms / 1e3)
+            verifier = ReferenceVerifier(table, rtt_ms / 1e3, args.verify_fixed_ms / 1e3, args.verify_node_ms / 1e3,
+                                         n_tokens=args.max_tokens + args.reference_extra)
             for mode in modes:   # as bench_link: one session per mode, one planner per link condition
                 drafter = Drafter(draft_model, config)
                 decoder = Decoder(drafter, verifier, SessionStats(), shapes[mode], draft_model.is_end_of_generation,

@@ -21,12 +21,13 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from bench_tma_rows import MATRICES, reference  # noqa: E402 - the same products, checked the same way
 from edgespec.verifier.torch import fused  # noqa: E402
 
 
@@ -131,10 +132,6 @@ def rows_tiled(x: torch.Tensor, wt: torch.Tensor, n: int, k: int, cfg: tuple[int
     return out
 
 
-def reference(x: torch.Tensor, w: torch.Tensor, pair: bool) -> torch.Tensor:
-    return fused.linear_silu_torch(x, w).float() if pair else fused.linear_rows_partials_torch(x, w).sum(0)
-
-
 def check() -> None:
     """The tiled kernel and the stream against torch on small shapes (float32; the CPU interpreter)."""
     dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -154,9 +151,6 @@ def check() -> None:
     assert err < 1e-2, err
 
 
-MATRICES = {"w13": (17920, 1536), "w2": (1536, 8960), "wo": (1536, 1536)}
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="only check the kernels (works in the interpreter)")
@@ -167,7 +161,7 @@ def main() -> int:
     check()
     if args.check:
         return 0
-    from bench_gpu_verify import graph_us, weight_copies   # noqa: E402 - tools/ is on sys.path as a script
+    from bench_gpu_verify import graph_us, weight_copies
 
     g = torch.Generator(device="cuda").manual_seed(2)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -151,6 +151,11 @@ def check() -> None:
     assert err < 1e-2, err
 
 
+# (COLS, BLOCK_K, SPLIT, warps, stages) tried for the tiled form at 64 rows beside the forward's own
+OTHER_CONFIGS = {"w13": [(68, 128, 1, 8, 4), (34, 64, 1, 4, 6)], "w2": [(128, 128, 11, 8, 4), (64, 64, 6, 4, 6)],
+                 "wo": [(48, 128, 4, 4, 4), (96, 64, 8, 8, 4)]}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="only check the kernels (works in the interpreter)")
@@ -189,6 +194,11 @@ def main() -> int:
             y = rows_tiled(x, wts[0], n, k, cfg, pair)
             rec["tiled_max_abs_err"] = float(((y.float() if pair else y.sum(0)) - ref).abs().max())
             rec["tiled_us"] = graph_us([lambda wt=wt: rows_tiled(x, wt, n, k, cfg, pair) for wt in wts], args.iters)
+            rec["other_configs"] = []
+            for other in OTHER_CONFIGS[name] if rows == 64 else ():   # the tiled form may want other tiles
+                wts = [tiled(w, other, pair) for w in ws]
+                us = graph_us([lambda wt=wt: rows_tiled(x, wt, n, k, other, pair) for wt in wts], args.iters)
+                rec["other_configs"].append({"config": other, "tiled_us": us})
             rec["current_again_us"] = graph_us([lambda w=w: now(w) for w in ws], args.iters)
             rec["tiled_TBps"] = nbytes / rec["tiled_us"] / 1e6
             rec["current_TBps"] = nbytes / rec["current_us"] / 1e6

@@ -196,9 +196,12 @@ def main() -> int:
             rec["tiled_us"] = graph_us([lambda wt=wt: rows_tiled(x, wt, n, k, cfg, pair) for wt in wts], args.iters)
             rec["other_configs"] = []
             for other in OTHER_CONFIGS[name] if rows == 64 else ():   # the tiled form may want other tiles
-                wts = [tiled(w, other, pair) for w in ws]
-                us = graph_us([lambda wt=wt: rows_tiled(x, wt, n, k, other, pair) for wt in wts], args.iters)
-                rec["other_configs"].append({"config": other, "tiled_us": us})
+                try:
+                    wts = [tiled(w, other, pair) for w in ws]
+                    us = graph_us([lambda wt=wt: rows_tiled(x, wt, n, k, other, pair) for wt in wts], args.iters)
+                    rec["other_configs"].append({"config": other, "tiled_us": us})
+                except Exception as exc:  # noqa: BLE001 - a config that does not fit: report, go on
+                    rec["other_configs"].append({"config": other, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
             rec["current_again_us"] = graph_us([lambda w=w: now(w) for w in ws], args.iters)
             rec["tiled_TBps"] = nbytes / rec["tiled_us"] / 1e6
             rec["current_TBps"] = nbytes / rec["current_us"] / 1e6

@@ -636,3 +636,36 @@ def test_steps_after_a_target_only_step_are_no_miss_of_any_rung():
     assert p.prepared_by_rung == {}
     p.observe(_tree_step(chain2, 2, prepared=True, decode_s=0.01))
     assert p.prepared_by_rung[1][0] == p.prepared_steps == 1 and p.prepared_for(1) > 0.5
+
+
+def test_a_request_gone_target_only_tries_drafting_again_at_growing_intervals():
+    """A request whose first trees accepted nothing goes target-only, but tries the smallest drafted shape again after
+    TARGET_ONLY_RETRY target-only steps, then after twice as many, and so on: a code answer whose first two chain2
+    trees missed ran target-only to its end (62 steps) without it. Once a try is accepted whole, drafting goes on."""
+    from edgespec.edge.planner import TARGET_ONLY_RETRY
+
+    def run(accepts_after: int) -> list[tuple[int, str, str]]:
+        p = Planner(ladder=(TreeShape.target_only(), TreeShape.chain(2), TreeShape.chain(4)))
+        p.begin_request()
+        for _ in range(6):   # an earlier answer: chain2 trees accepted one node of two
+            remote_step(p, "chain2", 2, 1, decode_s=0.03)
+        p.begin_request(400)
+        drafted = []
+        for i in range(64):
+            shape = p.choose()
+            if shape.budget:
+                drafted.append((i, shape.label, p.last_why))
+            remote_step(p, shape.label, shape.budget, shape.budget if i >= accepts_after else 0, decode_s=0.03)
+        return drafted
+
+    drafted = run(accepts_after=10 ** 6)   # nothing is ever accepted
+    tries = [(i, label) for i, label, why in drafted if why == "try"]
+    assert len(tries) == 3 and {label for _, label in tries} == {"chain2"}, drafted
+    steps = [i for i, _, _ in drafted]
+    first_try = steps.index(tries[0][0])
+    gaps = [b - a - 1 for a, b in zip(steps[first_try - 1:], steps[first_try:])]   # target-only steps before each
+    assert gaps == [TARGET_ONLY_RETRY, 2 * TARGET_ONLY_RETRY, 4 * TARGET_ONLY_RETRY], drafted
+
+    drafted = run(accepts_after=12)       # code from the 12th step on: a try finds it and drafting goes on
+    assert any(why == "try" for _, _, why in drafted), drafted
+    assert len(drafted) >= 20, drafted

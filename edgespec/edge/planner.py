@@ -76,6 +76,11 @@ REQUEST_EVIDENCE = 4       # path nodes a request must have tried before its acc
 # it. A shape the request drafted is priced by its own trees, so one poor chain4 tree kept a code answer on chain2 to
 # its end while chain2 trees were accepted whole (17 of 18; 2-core box, twenty-seventh session's trace)
 REQUEST_RETRIES = 3
+# A request decoding target-only tries the smallest drafted shape again after this many target-only steps, then after
+# twice as many, and so on (each try only where it could pay and TRY_SHARE allows). Without it, two first trees that
+# accepted nothing kept a code answer target-only to its end: 62 steps at 0.6x fixed chain4 (simulated 100 ms link,
+# tools/bench_planner_sim.py, thirty-second session)
+TARGET_ONLY_RETRY = 8
 # Whether a step's tree was drafted ahead depends on the tree in flight before it: the guess is that tree's whole main
 # path (and the token after it), so a deep tree on prose rarely comes true and a short chain on code mostly does. Each
 # rung keeps its own share, starting from the all-steps share as worth this many steps. With one share for all, prose
@@ -266,6 +271,10 @@ class Planner:
     _request_prior: dict[int, float] = field(default_factory=dict, repr=False)
     _try_next: int | None = field(default=None, repr=False)
     _try_full: bool = field(default=False, repr=False)   # _try_next follows a tree accepted to its depth
+    # the current request's target-only steps since its last tree, and how many of them start the next try (doubled
+    # at each: TARGET_ONLY_RETRY)
+    _target_only_run: int = field(default=0, repr=False)
+    _target_only_retry: int = field(default=TARGET_ONLY_RETRY, repr=False)
     # this request's acceptance along the path: [accepted nodes, nodes the walk tried] (a tree whose
     # path stopped at depth k < its depth tried k + 1 nodes), for the shapes it has not drafted yet
     _request_path: list[int] = field(default_factory=lambda: [0, 0], repr=False)
@@ -286,7 +295,12 @@ class Planner:
             self.request_left = max(0, self.request_left - 1 - int(obs.accepted.sum()))
         if obs.draft_decodes == 0:  # target-only: only link and verifier figures are news
             self._in_flight_rung = None   # (and nothing is drafted ahead behind a target-only step)
+            self._target_only_run += 1
+            if self.requests and self._target_only_run >= self._target_only_retry and self._try_next is None:
+                self._try_next, self._try_full = 1, False
+                self._target_only_run, self._target_only_retry = 0, 2 * self._target_only_retry
             return
+        self._target_only_run = 0
         self._tokens_by_rung = None
         # A drafted tree that pruning cut to the root still cost its drafting and yielded one token:
         # it counts against its shape. Left out, a shape whose trees were mostly cut looked as good
@@ -475,6 +489,7 @@ class Planner:
         self._request_path = [0, 0]
         self._tokens_by_rung = None
         self._try_next, self._try_full = 1, False
+        self._target_only_run, self._target_only_retry = 0, TARGET_ONLY_RETRY
         self._in_flight_rung = None   # a request's first tree is never drafted ahead
 
     @property

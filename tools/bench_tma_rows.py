@@ -97,30 +97,43 @@ def reference(x: torch.Tensor, w: torch.Tensor, pair: bool) -> torch.Tensor:
     return fused.linear_silu_torch(x, w).float() if pair else fused.linear_rows_partials_torch(x, w).sum(0)
 
 
-def check() -> None:
-    """The kernel against torch in float32 on small shapes (the CPU interpreter)."""
+def check_products(name: str, product, cases) -> str:
+    """product(x, w, cfg, pair) (the pair's SiLU*up, or float32 partials) against torch in float32 on the small
+    shapes `cases` ((pair, (n, k), rows, cfg), ...); returns the device it ran on (the CPU under the interpreter)."""
     dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     g = torch.Generator(device=dev).manual_seed(1)
-    for pair, (n, k), rows, cfg in ((True, (96, 80), 5, (16, 32, 1, 4, 2)), (False, (48, 200), 7, (16, 32, 3, 4, 2)),
-                                    (False, (40, 64), 16, (32, 16, 2, 4, 2))):
+    for pair, (n, k), rows, cfg in cases:
         x = torch.randn(rows, k, generator=g, device=dev)
         w = torch.randn(n, k, generator=g, device=dev) / math.sqrt(k)
-        y = rows_tma(x, w, cfg, pair)
-        got = y.float() if pair else y.sum(0)
-        err = float((got - reference(x, w, pair)).abs().max())
-        print(f"pair={pair} n={n} k={k} rows={rows} cfg={cfg}: max abs err {err:.2e}")
+        y = product(x, w, cfg, pair)
+        err = float(((y.float() if pair else y.sum(0)) - reference(x, w, pair)).abs().max())
+        print(f"{name} pair={pair} n={n} k={k} rows={rows} cfg={cfg}: max abs err {err:.2e}")
         assert err < (1e-4 if dev == "cpu" else 3e-2), err   # the GPU multiplies float32 as tf32
+    return dev
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="only check the kernel (works in the interpreter)")
+def check() -> None:
+    """The kernel against torch in float32 on small shapes (the CPU interpreter)."""
+    check_products("tma", rows_tma, ((True, (96, 80), 5, (16, 32, 1, 4, 2)), (False, (48, 200), 7, (16, 32, 3, 4, 2)),
+                                     (False, (40, 64), 16, (32, 16, 2, 4, 2))))
+
+
+def rows_bench_args(doc: str, check_kernels) -> argparse.Namespace | None:
+    """The small-rows matmul experiments' command line (this script's, bench_weight_tiles.py's): the kernels are
+    checked first; None when --check asked for nothing more."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="only check the kernels (works in the interpreter)")
     p.add_argument("--rows", default="16,64")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out")
     args = p.parse_args()
-    check()
-    if args.check:
+    check_kernels()
+    return None if args.check else args
+
+
+def main() -> int:
+    args = rows_bench_args(__doc__, check)
+    if args is None:
         return 0
     from bench_gpu_verify import graph_us, weight_copies   # noqa: E402 - tools/ is on sys.path as a script
 

@@ -14,10 +14,8 @@ questions in one run, each call in a CUDA graph over rotating weight copies (mor
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -27,7 +25,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from bench_tma_rows import MATRICES, reference  # noqa: E402 - the same products, checked the same way
+from bench_tma_rows import MATRICES, check_products, reference, rows_bench_args  # noqa: E402 - the same products and checks
 from edgespec.verifier.torch import fused  # noqa: E402
 
 
@@ -134,17 +132,10 @@ def rows_tiled(x: torch.Tensor, wt: torch.Tensor, n: int, k: int, cfg: tuple[int
 
 def check() -> None:
     """The tiled kernel and the stream against torch on small shapes (float32; the CPU interpreter)."""
-    dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-    g = torch.Generator(device=dev).manual_seed(1)
-    for pair, (n, k), rows, cfg in ((True, (96, 80), 5, (12, 32, 1, 4, 2)), (False, (48, 200), 7, (20, 32, 3, 4, 2)),
-                                    (False, (40, 64), 16, (16, 16, 2, 4, 2))):
-        x = torch.randn(rows, k, generator=g, device=dev)
-        w = torch.randn(n, k, generator=g, device=dev) / math.sqrt(k)
-        y = rows_tiled(x, tiled(w, cfg, pair), n, k, cfg, pair)
-        err = float(((y.float() if pair else y.sum(0)) - reference(x, w, pair)).abs().max())
-        print(f"tiled pair={pair} n={n} k={k} rows={rows} cfg={cfg}: max abs err {err:.2e}")
-        assert err < (1e-4 if dev == "cpu" else 3e-2), err   # the GPU multiplies float32 as tf32
-    w = torch.randn(1000, 37, generator=g, device=dev)
+    dev = check_products("tiled", lambda x, w, cfg, pair: rows_tiled(x, tiled(w, cfg, pair), *w.shape, cfg, pair),
+                         ((True, (96, 80), 5, (12, 32, 1, 4, 2)), (False, (48, 200), 7, (20, 32, 3, 4, 2)),
+                          (False, (40, 64), 16, (16, 16, 2, 4, 2))))
+    w = torch.randn(1000, 37, generator=torch.Generator(device=dev).manual_seed(3), device=dev)
     out = torch.empty(3, device=dev)
     err = abs(float(stream(w, 3, out, block=256).sum()) - float(w.sum()))
     print(f"stream: abs err {err:.2e}")
@@ -157,14 +148,8 @@ OTHER_CONFIGS = {"w13": [(68, 128, 1, 8, 4), (34, 64, 1, 4, 6)], "w2": [(128, 12
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="only check the kernels (works in the interpreter)")
-    p.add_argument("--rows", default="16,64")
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--out")
-    args = p.parse_args()
-    check()
-    if args.check:
+    args = rows_bench_args(__doc__, check)
+    if args is None:
         return 0
     from bench_gpu_verify import graph_us, weight_copies
 

@@ -36,11 +36,15 @@ sed 's/for B, Ts in \[(1, \[1, 16, 64, 128\]), (8, \[1, 16, 64\])\]:/for B, Ts i
 grep -q 'for B, Ts in \[(1, \[1, 16, 64\]), (8, \[64\])\]' .gptfast/step4.py || { echo "step.py changed: cut step4.py by hand" >&2; exit 2; }
 
 ls edgespec/v1/*_pb2.py >/dev/null || { echo "edgespec/v1 has no generated stubs: run make setup" >&2; exit 2; }
-# Pieces of 56 MB (53.4 MiB): with the tracked tree (~7 MiB) a call stays under 64 MiB; ../shared/gpu/stage.sh's
-# 62 MB pieces no longer do (seventeenth session). One call per piece, back to back, appended under /tmp/stage.
+# A call carries the tracked tree and one piece, 64 MiB at most: pieces are what the tracked tree leaves, less 4 MiB.
+# (Fixed 56 MB pieces stopped fitting when the tree reached 15.5 MB, thirty-second session.) One call per piece,
+# back to back, appended under /tmp/stage.
+tracked=$(git ls-files -z | xargs -0 cat | wc -c)
+piece=$(( (60 << 20) - tracked ))
+[ "$piece" -gt $((16 << 20)) ] || { echo "the tracked tree ($tracked bytes) leaves too little of a call for GGUF pieces" >&2; exit 2; }
 mkdir -p .stage && rm -f .stage/*.part*
 for name in qwen2.5-coder-1.5b-instruct-q4_k_m.gguf qwen2.5-coder-0.5b-instruct.gguf; do
-  split -b 56000000 -d -a 2 "$HOME_DIR/models/$name" ".stage/$name.part"
+  split -b "$piece" -d -a 2 "$HOME_DIR/models/$name" ".stage/$name.part"
   echo "$name: $(ls .stage/"$name".part* | wc -l) pieces, sha256 $(sha256sum "$HOME_DIR/models/$name" | cut -c1-8)…"
 done
 echo "each call: carry [\".stage/NAME.partNN\"], command: mkdir -p /tmp/stage && cat .stage/NAME.partNN >> /tmp/stage/NAME"

@@ -50,6 +50,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# The pins hold in pip's isolated build environments too (-c does not reach them): the protobuf stubs are generated
+# at build time by grpcio-tools, and stubs from a newer grpcio-tools than the pinned grpcio refuse to import
+# (grpcio-tools 1.85.4 against grpcio 1.85.1, 2026-12-06).
+export PIP_CONSTRAINT="$PWD/constraints/ci.txt"
 "${PIP[@]}" install -c constraints/ci.txt "pip>=23" "setuptools>=77" wheel
 
 # llama-cpp-python: build once per flavor and machine arch, then reuse the wheel.

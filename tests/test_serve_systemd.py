@@ -240,6 +240,7 @@ def test_jetson_install_script_dry_run():
     assert "systemd-analyze verify /etc/systemd/system/edgespec-edge.service" in out
     assert "systemctl enable --now edgespec-edge.service edgespec-verifier.service" in out
     assert "[edge]" in out or "src[edge]" in out
+    assert "--no-build-isolation" in out and "grpcio-tools" in out   # stubs built by the pinned grpcio-tools
     bad = subprocess.run(["bash", str(ROOT / "jetson" / "install.sh"), "--bogus"], capture_output=True, text=True)
     assert bad.returncode == 2 and "usage" in bad.stderr
 

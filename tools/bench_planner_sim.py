@@ -54,19 +54,16 @@ class ReferenceVerifier:
         self.references, self.rtt_s, self.fixed_s, self.per_node_s = references, rtt_s, fixed_s, per_node_s
         self.n_tokens = n_tokens
 
-    def _continuation(self, context: Sequence[int]) -> list[int]:
-        """The reference tokens after `context` (prompt + committed tokens)."""
+    def _continuation(self, context: Sequence[int]) -> tuple[list[int], bool]:
+        """The reference tokens after `context` (prompt + committed tokens), and whether the reference ended at the
+        target's end token (it is shorter than n_tokens)."""
         for prompt, reference in self.references.items():
             n = len(context) - len(prompt)
             if n >= 0 and tuple(context[:len(prompt)]) == prompt:
                 if list(context[len(prompt):]) != reference[:n]:
                     raise ValueError(f"the context left the reference at token {n}: not greedy, or another target")
-                return reference[n:]
+                return reference[n:], self.n_tokens is not None and len(reference) < self.n_tokens
         raise KeyError("no reference for this prompt")
-
-    def _length(self, context: Sequence[int]) -> int:
-        """The length of the reference `context` follows."""
-        return next(len(r) for p, r in self.references.items() if tuple(context[:len(p)]) == p)
 
     def sync(self, context: Sequence[int]) -> None:
         self._continuation(context)
@@ -78,8 +75,7 @@ class ReferenceVerifier:
 
         if sampling.temperature > 0:
             raise ValueError("the reference verifier answers greedy requests only")
-        ahead = self._continuation(context)
-        ended = self.n_tokens is not None and self._length(context) < self.n_tokens
+        ahead, ended = self._continuation(context)
 
         def reference_token(node: int) -> int:   # the target's greedy token after `node`: the reference at its depth
             depth = len(tree.path_to(node))

@@ -70,8 +70,7 @@ def rows_tma(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int, in
     rows, k = x.shape
     n_out = w.shape[0] // 2 if pair else w.shape[0]
     rp = max(16, triton.next_power_of_2(rows))
-    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
-    split = triton.cdiv(k, k_split)
+    k_split, split = fused.k_slices(k, split, bk)
     x_desc = TensorDescriptor.from_tensor(x, [rp, bk])
     w_desc = w_desc or TensorDescriptor.from_tensor(w, [bn, bk])
     out = (torch.empty(rows, n_out, dtype=x.dtype, device=x.device) if pair

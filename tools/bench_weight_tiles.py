@@ -86,8 +86,7 @@ def _rows_tiled_kernel(X, WT, O, rows, N, K, k_split, x_stride, K_TILES: tl.cons
 def _geometry(n: int, k: int, cfg: tuple[int, int, int, int, int], pair: bool) -> dict:
     cols, block_k, split, _, _ = cfg
     n_out = n // 2 if pair else n
-    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    split = triton.cdiv(k, k_split)
+    k_split, split = fused.k_slices(k, split, block_k)
     r_main, r_tail = fused._row_tiles((2 if pair else 1) * cols)
     return dict(n_out=n_out, k_split=k_split, split=split, k_tiles=k_split // block_k, r_main=r_main, r_tail=r_tail,
                 programs=triton.cdiv(n_out, cols))

@@ -638,6 +638,14 @@ def _gemv_programs(device: torch.device) -> int:
     return GEMV_PROGRAMS_PER_SM * _sms(device)
 
 
+def k_slices(k: int, split: int, block_k: int) -> tuple[int, int]:
+    """(keys a K slice, slices) for a config asking for `split` slices of K: each slice whole BLOCK_K tiles, so
+    fewer slices where the rounding leaves the last ones empty."""
+    per_slice = -(-k // split)                       # ceil(k / split)
+    k_split = -(-per_slice // block_k) * block_k     # rounded up to whole tiles
+    return k_split, -(-k // k_split)
+
+
 class _Rope(NamedTuple):
     """Where linear_rope_store's epilogue reads RoPE's tables and writes q, k and v (rope_store's arguments)."""
 
@@ -667,8 +675,7 @@ def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     gemv = rows == 1 and not pair
     cols, block_k, split, warps, stages = cfg or linear_rows_config(rows, n, k, pair=pair, can_split=partials,
                                                                     device=x.device)
-    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    split = triton.cdiv(k, k_split)
+    k_split, split = k_slices(k, split, block_k)
     if pair and split > 1:
         raise ValueError(f"linear_silu: config {cfg} splits K; SiLU needs whole sums")
     D = rope.cache.shape[-1] if rope else 0

@@ -53,7 +53,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 # The package is built in this venv with its pinned build requirements (--no-build-isolation below): the protobuf
 # stubs are generated at build time by grpcio-tools, and pip's isolated build environment ignores the pins. Stubs
 # from a newer grpcio-tools than the pinned grpcio refuse to import (grpcio-tools 1.85.4 against 1.85.1, 2026-12-06).
-"${PIP[@]}" install -c constraints/ci.txt "pip>=23" "setuptools>=77" wheel "grpcio-tools>=1.66,<2"
+"${PIP[@]}" install -c constraints/ci.txt "pip>=23" "setuptools>=77" wheel grpcio-tools
 
 # llama-cpp-python: build once per flavor and machine arch, then reuse the wheel.
 WHEELS="$HOME_DIR/wheels/$FLAVOR-$(uname -m)"

@@ -559,8 +559,8 @@ def test_one_poor_tree_does_not_lock_a_request_below_a_shape_it_drafted():
     """A chain4 tree that accepted one node, then chain2 trees accepted whole: chain4 is tried again (a shape the
     request drafted is priced by its own trees, so without the re-try the answer stayed on chain2 to its end: 17
     of 18 chain2 trees accepted whole, twenty-seventh session's trace), and kept once its trees accept whole.
-    A shape that keeps failing is left after REQUEST_RETRIES trees of it in the request."""
-    from edgespec.edge.planner import REQUEST_RETRIES
+    A shape that keeps failing is re-tried at growing intervals (the request's path acceptance since its last
+    miss must cover twice as many nodes each time: _since_last_miss), so it is left for longer and longer."""
 
     def step(p, label, nodes, accepted):   # a fast verifier, a 10 ms drafting decode
         remote_step(p, label, nodes, accepted, decode_s=0.01)
@@ -575,7 +575,7 @@ def test_one_poor_tree_does_not_lock_a_request_below_a_shape_it_drafted():
         assert p.choose() == p.ladder[2]          # the climb
         step(p, "chain4", 4, 1)                   # one poor chain4 tree
         chosen = []
-        for _ in range(12):
+        for _ in range(30):
             shape = p.choose()
             chosen.append(shape.label)
             step(p, shape.label, shape.budget, chain4_accepts if shape.label == "chain4" else shape.budget)
@@ -584,9 +584,11 @@ def test_one_poor_tree_does_not_lock_a_request_below_a_shape_it_drafted():
     p, chosen = run(chain4_accepts=4)             # code: chain4 accepts whole when tried again
     assert chosen[:2] == ["chain2", "chain4"], chosen   # re-tried after the next whole chain2
     assert chosen[-4:] == ["chain4"] * 4, chosen  # and kept
-    p, chosen = run(chain4_accepts=1)             # chain4 keeps failing: tried until the request has
-    assert p._request_trees[2] == REQUEST_RETRIES, chosen   # REQUEST_RETRIES trees of it, then left
-    assert chosen[-4:] == ["chain2"] * 4, chosen
+    p, chosen = run(chain4_accepts=1)             # chain4 keeps failing: each re-try comes later than the last
+    tries = [i for i, label in enumerate(chosen) if label == "chain4"]
+    gaps = np.diff(tries)
+    assert len(tries) <= 6 and all(later > earlier for earlier, later in zip(gaps[1:], gaps[2:])), chosen
+    assert chosen[-8:] == ["chain2"] * 8 or gaps[-1] >= 8, chosen
 
 
 def _tree_step(shape: TreeShape, accepted: int, prepared: bool, decode_s: float) -> StepObservation:
@@ -669,3 +671,30 @@ def test_a_request_gone_target_only_tries_drafting_again_at_growing_intervals():
     drafted = run(accepts_after=12)       # code from the 12th step on: a try finds it and drafting goes on
     assert any(why == "try" for _, _, why in drafted), drafted
     assert len(drafted) >= 20, drafted
+
+
+def test_newer_path_acceptance_lifts_a_shape_whose_own_trees_missed_early_in_the_request():
+    """A code answer whose first chain4 trees missed (its preamble), then whose chain2 trees are accepted whole
+    step after step: chain4 has REQUEST_RETRIES trees of its own in the request, but the path acceptance since
+    its last tree is newer evidence, and chain4 comes back. Priced by its own early trees, the simulated 200 ms
+    link kept such an answer on chain2 for its last 13 steps at 0.78x fixed chain4 (thirty-second session)."""
+    from edgespec.edge.planner import REQUEST_RETRIES
+
+    def step(p, label, nodes, accepted):
+        remote_step(p, label, nodes, accepted, decode_s=0.05)
+
+    p = Planner(ladder=(TreeShape.target_only(), TreeShape.chain(2), TreeShape.chain(4)))
+    p.begin_request()
+    for _ in range(4):    # an earlier answer: chain4 accepted 3 of 4
+        step(p, "chain4", 4, 3)
+    p.begin_request(400)
+    for accepted in (0, 0, 1):   # this answer's chain4 trees miss early on
+        step(p, "chain4", 4, accepted)
+    assert p._request_trees[2] == REQUEST_RETRIES
+    chosen = []
+    for _ in range(12):
+        shape = p.choose()
+        chosen.append(shape.label)
+        step(p, shape.label, shape.budget, shape.budget)   # from here on every tree is accepted whole
+    assert chosen[0] == "chain2", chosen
+    assert chosen[-4:] == ["chain4"] * 4, chosen

@@ -278,6 +278,10 @@ class Planner:
     # this request's acceptance along the path: [accepted nodes, nodes the walk tried] (a tree whose
     # path stopped at depth k < its depth tried k + 1 nodes), for the shapes it has not drafted yet
     _request_path: list[int] = field(default_factory=lambda: [0, 0], repr=False)
+    # per rung drafted in the current request: its trees whose path stopped inside them, and _request_path as it stood
+    # after the last of those (what came since is newer evidence than the misses: _since_last_miss)
+    _request_misses: dict[int, int] = field(default_factory=dict, repr=False)
+    _path_at_last_miss: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)
     _in_flight_rung: int | None = field(default=None, repr=False)  # the last tree step's rung (None: no tree before)
     requests: int = 0        # begin_request calls (0: one open-ended run, no per-request figures)
     request_left: int | None = None   # tokens the current request may still produce (None: open-ended)
@@ -347,6 +351,9 @@ class Planner:
             if (self.requests and k >= self.ladder[rung].max_depth
                     and self._request_trees.get(rung + 1, 0) < REQUEST_RETRIES):
                 self._try_next, self._try_full = rung + 1, True
+            if k < deepest:
+                self._request_misses[rung] = self._request_misses.get(rung, 0) + 1
+                self._path_at_last_miss[rung] = (self._request_path[0], self._request_path[1])
         first_worse = seen == 0 and count and tokens < mean
         weight = max(1 / min(count + 1, REALIZED_WINDOW), 1 / (seen + 2) if first_worse else 1 / (seen + 1))
         self.realized[rung] = (count + 1, mean + (tokens - mean) * weight)
@@ -422,7 +429,8 @@ class Planner:
 
     def expected_tokens(self, rung: int, typical: tuple[float, float] | None = None) -> float:
         """1 + expected accepted drafts for a ladder rung, from the evidence nearest to it:
-        - once this request has drafted REQUEST_RETRIES trees of the shape: what the shape realized (observe);
+        - once this request has drafted REQUEST_RETRIES trees of the shape: what the shape realized (observe), or
+          more where the request's path acceptance since its last miss predicts more (_since_last_miss);
         - before that, a base figure: the shape's realized figure if the request drafted it, else earlier requests'
           (_earlier_tokens), scaled down by _request_ratio when it is bigger than every shape the request drafted;
         - raised to what this request's acceptance along its paths predicts for the shape, once the request has
@@ -432,7 +440,7 @@ class Planner:
         mean = self.realized.get(rung, (0, 0.0))[1]
         drafted = self._request_trees.get(rung, 0) if self.requests else 0
         if drafted >= REQUEST_RETRIES:
-            return mean
+            return max(mean, self._since_last_miss(rung, typical))
         if drafted:
             base = mean
         else:
@@ -447,6 +455,23 @@ class Planner:
             # after code: as for a first tree that did worse, see observe)
             return max(tree_tokens(self.ladder[rung], (accepted + 1) / (tried + 2), a_sibling), base)
         return base
+
+    def _since_last_miss(self, rung: int, typical: tuple[float, float] | None = None) -> float:
+        """What the request's path acceptance since the rung's last tree that missed (its path stopped inside the
+        tree) predicts for the rung, once enough path nodes have been tried since (else 0): REQUEST_EVIDENCE, twice
+        that for each further miss past REQUEST_RETRIES - 1, so a shape that keeps missing is re-tried ever later.
+        A shape's own trees are its best evidence only until the text changes: a code answer whose first chain4
+        trees missed (its prose preamble) priced chain4 by them to its end while 13 chain2 trees in a row were
+        accepted whole, and ran 0.78x fixed chain4 (simulated 200 ms link, tools/bench_planner_sim.py, thirty-second
+        session)."""
+        then = self._path_at_last_miss.get(rung)
+        if then is None:
+            return 0.0
+        accepted, tried = self._request_path[0] - then[0], self._request_path[1] - then[1]
+        if tried < REQUEST_EVIDENCE << max(0, self._request_misses[rung] - REQUEST_RETRIES + 1):
+            return 0.0
+        a_sibling = (typical or self.typical_acceptance())[1]
+        return tree_tokens(self.ladder[rung], (accepted + 1) / (tried + 2), a_sibling)
 
     def _earlier_tokens(self, rung: int, typical: tuple[float, float] | None = None) -> float:
         """1 + expected accepted drafts for a rung from earlier requests alone: its running mean after 3 uses, else
@@ -487,6 +512,7 @@ class Planner:
         self.request_left = max_tokens
         self._request_trees, self._request_prior = {}, {}
         self._request_path = [0, 0]
+        self._request_misses, self._path_at_last_miss = {}, {}
         self._tokens_by_rung = None
         self._try_next, self._try_full = 1, False
         self._target_only_run, self._target_only_retry = 0, TARGET_ONLY_RETRY

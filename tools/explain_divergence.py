@@ -6,10 +6,11 @@ logits inside a batch of tree rows, and a different batch shape changes them sli
 is explained when, at the position where the outputs first differ, the two tokens are a near-tie:
 the top two in every shape, their order flipping with the batch shape or their gap no larger than
 how far one logit moves between shapes (the verdict in each report). The context's K/V come from one
-prefill here, not from the run's own steps: a shape of its own again. This tool recomputes that
+prefill here (one for each shape), not from the run's own steps: a shape of its own again. This tool recomputes that
 position's logits in the verifier's own llama.cpp context (1 thread) as a 1-row step (AR) and as
-row j of chains of 2 and 5 rows (speculative steps), and prints both tokens' logits and their
-margin for each. With
+row j of chains of 2 and 5 rows (speculative steps), and, where the run recorded its trees (bench_link's
+per-step trace), as the deciding row of the very tree whose step chose the mode's token (the run's own
+shape: `own_step`), and prints both tokens' logits and their margin for each. With
 `--backend torch` the rows come from the torch verifier's own steps instead (TorchBackend on
 `--device`, e.g. the GPU verifier of tools/gpu_run.sh e2e: each shape a verify step, graph-replayed
 where the backend uses CUDA graphs, its logits read back as the step saw them).
@@ -28,7 +29,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 
@@ -41,40 +42,84 @@ from edgespec.runtime.llama import ContextConfig, LlamaModel, TreeContext  # noq
 SHAPES = [(0, 1), (0, 2), (1, 2), (0, 5), (1, 5), (2, 5), (3, 5), (4, 5)]   # (row of the deciding node, rows)
 
 
-Chain = tuple[list[int], list[int], int]   # (context before the chain, the chain's tokens, the row to read)
+class Tree(NamedTuple):
+    """One verified tree: the context before its root, its tokens (root first) and parents, the row to read."""
+
+    context: list[int]
+    tokens: list[int]
+    parents: list[int]
+    row: int
 
 
-def llama_rows(target: str, chains: list[Chain], device: str) -> Iterator[np.ndarray]:
-    """Each chain decoded as one tree in the llama.cpp verifier's context (1 thread): row j's logits."""
+def chain(context: list[int], tokens: list[int], row: int) -> Tree:
+    """A chain of `tokens` (root first) after `context`, read at `row`."""
+    return Tree(context, tokens, list(range(-1, len(tokens) - 1)), row)
+
+
+def llama_rows(target: str, trees: list[Tree], device: str) -> Iterator[np.ndarray]:
+    """Each tree decoded in the llama.cpp verifier's context (1 thread) after a prefill of its whole context: its
+    row's logits. (A context grown from another shape's, or cut back to, holds K/V that other batch shapes
+    computed: a row 0.2 logits away from the same tree's after a fresh prefill, Qwen 1.5B on this CPU.)"""
     model = LlamaModel(target)
-    ctx = TreeContext(model, ContextConfig(n_ctx=4096, n_threads=1))
+    ctx = TreeContext(model, ContextConfig(n_ctx=4096, n_threads=1, max_tree_nodes=128))
     try:
-        for context, chain, j in chains:
-            ctx.sync(context)
-            logits, _ = ctx.decode_tree(chain, list(range(-1, len(chain) - 1)))
+        for t in trees:
+            ctx.truncate(0)
+            ctx.sync(t.context)
+            logits, _ = ctx.decode_tree(t.tokens, t.parents)
             ctx.drop_branches()
-            yield logits[j]
+            yield logits[t.row]
     finally:
         ctx.close()
         model.close()
 
 
-def torch_rows(target: str, chains: list[Chain], device: str) -> Iterator[np.ndarray]:
-    """Each chain as one verify step of the torch verifier (its root the last synced token): row j's
+def torch_rows(target: str, trees: list[Tree], device: str) -> Iterator[np.ndarray]:
+    """Each tree as one verify step of the torch verifier (its root the last synced token): the row's
     float32 logits as that step computed them (Engine.last_logits)."""
     from edgespec.common.sampling import SamplingParams
     from edgespec.common.tree import TokenTree
     from edgespec.verifier.torch.backend import TorchBackend
 
     backend = TorchBackend(target, device=device, warmup=False)   # a few shapes: graphs captured as they come
-    for context, chain, j in chains:
+    for t in trees:
         s = backend.open_session()
         try:
-            s.sync(context + chain[:1])
-            s.verify(TokenTree(tokens=np.array(chain), parents=np.arange(-1, len(chain) - 1)), SamplingParams(), 0)
-            yield backend.engine.last_logits()[0, j].float().cpu().numpy()
+            s.sync(t.context + t.tokens[:1])
+            s.verify(TokenTree(tokens=np.array(t.tokens), parents=np.array(t.parents)), SamplingParams(), 0)
+            yield backend.engine.last_logits()[0, t.row].float().cpu().numpy()
         finally:
             s.close()
+
+
+def own_step(trace: list[dict], prompt: list[int], output: list[int], k: int) -> Tree | None:
+    """The tree whose step committed output token k, as the run sent it, and the row that chose that token: the
+    root's for the step's first token, else the row of the accepted node before it. None where the trace has no
+    trees (runs recorded before they were kept) or does not reach k."""
+    produced = 0
+    for step in trace:
+        n = step["accepted"] + 1   # the accepted path and the target's own token after it
+        if produced <= k < produced + n:
+            if "tree" not in step:
+                return None
+            offset = k - produced
+            path = sorted(step["obs"]["accepted"])   # drafted nodes on the path (node i + 1 of the tree)
+            row = 0 if offset == 0 else path[offset - 1] + 1
+            context = prompt + output[:produced]
+            tokens = step["tree"]["tokens"]
+            if tokens[0] != context[-1]:
+                raise ValueError(f"the trace's tree at token {produced} is not rooted at the committed context")
+            return Tree(context[:-1], tokens, step["tree"]["parents"], row)
+        produced += n
+    return None
+
+
+def run_trace(res: dict, prompt_name: str, rtt: float, mode: str) -> list[dict]:
+    """The step trace bench_link kept for a prompt's run in a mode and condition ([] where it kept none)."""
+    for run in res["meta"].get("runs", []):
+        if (run["prompt"], run["rtt_ms"], run["mode"]) == (prompt_name, rtt, mode):
+            return run.get("trace") or []
+    return []
 
 
 def divergences(res: dict, modes: list[str] | None, prompt: int | None, rtt: float | None) -> list[tuple]:
@@ -118,30 +163,34 @@ def main() -> int:
         return 0
     target = args.target or modelstore.model_path(modelstore.load_manifest().defaults["target"])
     model = LlamaModel(target, vocab_only=args.backend == "torch")   # torch: the tokenizer only
-    reports, chains, shapes_of = [], [], []
+    reports, trees, shapes_of = [], [], []
     for r, mode, i, k, ar, other in found:
         name, text = named[i]
         prompt = model.chat_tokens([{"role": "user", "content": text}] if isinstance(text, str) else text)
         out = {"rtt_ms": r, "mode": mode, "prompt": name, "position": k, "ar_token": ar[k], "mode_token": other[k],
                "backend": args.backend, "ar_text": model.detokenize([ar[k]]),
                "mode_text": model.detokenize([other[k]]), "rows": []}
-        shapes = [(j, rows) for j, rows in SHAPES if k - 1 - j >= 0]   # the deciding node (context to ar[k-1]) is row j
-        chains += [(prompt + ar[:k - 1 - j], ar[k - 1 - j:k - 1 - j + rows], j) for j, rows in shapes]
+        shapes = [(j, rows, False) for j, rows in SHAPES if k - 1 - j >= 0]   # the deciding node (context to ar[k-1]) is row j
+        trees += [chain(prompt + ar[:k - 1 - j], ar[k - 1 - j:k - 1 - j + rows], j) for j, rows, _ in shapes]
+        own = own_step(run_trace(res, name, r, mode), prompt, other, k)
+        if own is not None:   # the run's own tree, after the mode's own context (equal to AR's before k)
+            shapes.append((own.row, len(own.tokens), True))
+            trees.append(own)
         reports.append(out)
         shapes_of.append(shapes)
     model.close()
     rows_of = torch_rows if args.backend == "torch" else llama_rows
-    computed = rows_of(target, chains, args.device)
+    computed = rows_of(target, trees, args.device)
     for out, shapes, (r, mode, i, k, ar, other) in zip(reports, shapes_of, found):
         print(f"{out['prompt']} at {r:g} ms: {mode} differs from AR at token {k}: AR {out['ar_text']!r}, "
               f"{mode} {out['mode_text']!r}")
-        for (j, rows), row in zip(shapes, computed):
+        for (j, rows, own), row in zip(shapes, computed):
             row = row.astype(np.float64)
             top2 = np.sort(row)[-2:]
             cell = {"rows": rows, "row": j, "argmax": int(row.argmax()), "logit_ar": round(float(row[ar[k]]), 4),
                     "logit_mode": round(float(row[other[k]]), 4),
                     "ar_minus_mode": round(float(row[ar[k]] - row[other[k]]), 4),
-                    "top2_gap": round(float(top2[1] - top2[0]), 4)}
+                    "top2_gap": round(float(top2[1] - top2[0]), 4), **({"own_step": True} if own else {})}
             out["rows"].append(cell)
             print(cell, flush=True)
         # explained by numerics: the two tokens are the top two in every shape, and their gap is no larger

@@ -317,7 +317,9 @@ class Decoder:
                             "prepared": prepared, "draft_ms": round(1000 * (sent - started), 2),
                             "wall_ms": round(1000 * (answered - started), 2), "late_ms": round(1000 * late, 2),
                             **({"why": draft.plan[0], "rates": [round(r, 1) for r in draft.plan[1]]} if draft.plan else {}),
-                            "obs": obs.to_record()})
+                            "obs": obs.to_record(),
+                            # the tree as sent (root first): tools/explain_divergence.py verifies it again
+                            "tree": {"tokens": draft.tree.tokens.tolist(), "parents": draft.tree.parents.tolist()}})
         if self.planner is not None:
             self.planner.observe(obs)
             if s.steps % SNAPSHOT_EVERY == 0:

@@ -4,7 +4,7 @@
 #   .whl/      the wheels its image lacks, at constraints/ci.txt's versions, for CPython 3.12 on x86-64
 #              (llama-cpp-python from tools/setup.sh's wheel cache: it loads its library through ctypes)
 #   .gptfast/  gpt-fast's model.py and ../shared/bench/gptfast/step.py cut to the four cells (step4.py)
-#   .stage/    the two Qwen GGUFs in 56 MB pieces, one staging call each
+#   .stage/    the two Qwen GGUFs in pieces that fit a call beside the tracked tree, one staging call each
 # The generated protobuf stubs travel as `edgespec/v1` (made by tools/setup.sh). All of it is ignored by git.
 # usage: tools/gpu_prepare.sh            (after `make setup`)
 set -euo pipefail

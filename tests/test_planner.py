@@ -698,3 +698,35 @@ def test_newer_path_acceptance_lifts_a_shape_whose_own_trees_missed_early_in_the
         step(p, shape.label, shape.budget, shape.budget)   # from here on every tree is accepted whole
     assert chosen[0] == "chain2", chosen
     assert chosen[-4:] == ["chain4"] * 4, chosen
+
+
+def test_drafted_rungs_are_ranked_by_their_measured_wall_time():
+    """chain4 steps that run 30 % over what the model's parts add up to (a decode before drafting ahead, a level the
+    answer waited for), chain2 steps that match it: chain4 gets dearer against chain2, relative to the drafted
+    rungs' mean, while target-only's price and that of a drafted rung never run stay the model's. With one drafted
+    rung measured there is nothing to rank."""
+    from edgespec.edge.planner import WALL_PRIOR_STEPS
+
+    p = Planner(ladder=(TreeShape.target_only(), TreeShape.chain(2), TreeShape.chain(4), TreeShape.chain(6)))
+
+    def step(label, nodes, over):
+        decode_s, network_s, verify_s = 0.05, 0.1, 0.002
+        p.observe(StepObservation(nodes=nodes, draft_s=decode_s * nodes, draft_decodes=nodes, network_s=network_s,
+                                  bytes_up=48 + 8 * nodes, verify_s=verify_s, queue_s=0.0, scores=np.full(nodes, 0.6),
+                                  accepted=np.arange(nodes) < nodes, depths=np.arange(1, nodes + 1), shape=label,
+                                  wall_s=over * (network_s + verify_s + decode_s * nodes)))
+
+    for _ in range(3):
+        step("target-only", 0, 1.5)
+    for _ in range(20):
+        step("chain4", 4, 1.3)
+    assert p.wall_factor(2) == 1.0 and p.wall_factor(0) == 1.0   # one drafted rung: nothing to rank
+    before = p._seconds(2), p._seconds(1), p._seconds(0)
+    for _ in range(20):
+        step("chain2", 2, 1.0)
+    own4 = (20 * 1.3 + WALL_PRIOR_STEPS) / (20 + WALL_PRIOR_STEPS)
+    mean = (own4 + 1.0) / 2
+    assert abs(p.wall_factor(2) - own4 / mean) < 0.01 and abs(p.wall_factor(1) - 1.0 / mean) < 0.01
+    assert p.wall_factor(0) == 1.0 and abs(p.wall_factor(3) - 1.0) < 1e-9   # target-only; chain6, never run
+    assert p._seconds(2) / p._seconds(1) > 1.2 * before[0] / before[1]
+    assert p._seconds(2, optimistic=True) < p._seconds(2)

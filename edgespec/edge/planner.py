@@ -81,6 +81,9 @@ REQUEST_RETRIES = 3
 # accepted nothing kept a code answer target-only to its end: 62 steps at 0.6x fixed chain4 (simulated 100 ms link,
 # tools/bench_planner_sim.py, thirty-second session)
 TARGET_ONLY_RETRY = 8
+# A drafted rung's measured over modelled step time (Planner.wall_factor) is shrunk towards 1 as if this many of its
+# steps had matched the model
+WALL_PRIOR_STEPS = 2
 # Whether a step's tree was drafted ahead depends on the tree in flight before it: the guess is that tree's whole main
 # path (and the token after it), so a deep tree on prose rarely comes true and a short chain on code mostly does. Each
 # rung keeps its own share, starting from the all-steps share as worth this many steps. With one share for all, prose
@@ -258,6 +261,8 @@ class Planner:
     prepared_steps: int = 0
     # rung -> (its trees followed by a tree step, running mean of those drafted ahead): see PREPARED_PRIOR_STEPS
     prepared_by_rung: dict[int, tuple[int, float]] = field(default_factory=dict)
+    # rung -> (steps, running mean of their wall time, running mean of what the model predicted for them): wall_factor
+    wall_by_rung: dict[int, tuple[int, float, float]] = field(default_factory=dict)
     wall_seconds: float = 0.0     # observed step wall time, all steps
     explore_seconds: float = 0.0  # predicted wall time of the steps spent exploring
     # expected tokens per rung; they change only when a drafted tree is observed, and choose() runs
@@ -298,6 +303,7 @@ class Planner:
         if self.request_left is not None:
             self.request_left = max(0, self.request_left - 1 - int(obs.accepted.sum()))
         if obs.draft_decodes == 0:  # target-only: only link and verifier figures are news
+            self._learn_wall(0 if obs.nodes == 0 else self.rung_of(obs.shape), obs)
             self._in_flight_rung = None   # (and nothing is drafted ahead behind a target-only step)
             self._target_only_run += 1
             if self.requests and self._target_only_run >= self._target_only_retry and self._try_next is None:
@@ -328,6 +334,7 @@ class Planner:
                 self.calibrate_draft(per_decode)
             old = self.decode_s_by_rung.get(rung)
             self.decode_s_by_rung[rung] = per_decode if old is None else 0.7 * old + 0.3 * per_decode
+        self._learn_wall(rung, obs)
         count, mean = self.realized.get(rung, (0, 0.0))
         tokens = 1.0 + float(obs.accepted.sum())
         # Acceptance depends on the text: a request's first tree of a shape replaces what the shape
@@ -597,10 +604,53 @@ class Planner:
         drafted at the cheapest wide-row cost measured so far (a chain's cost per decode before any)."""
         shape = self.ladder[rung]
         flat_verify = self.verify_flat(optimistic)
+        factor = 1.0 if optimistic else self.wall_factor(rung)
         if not shape.budget:
-            return self.step_seconds(0, 0, flat_verify=flat_verify)
-        return self.step_seconds(shape.budget, shape.max_depth, draft_s=shape.max_depth * self.decode_seconds(rung, optimistic),
-                                 flat_verify=flat_verify, prepared=self.prepared_for(rung))
+            return factor * self.step_seconds(0, 0, flat_verify=flat_verify)
+        return factor * self.step_seconds(shape.budget, shape.max_depth, flat_verify=flat_verify,
+                                          draft_s=shape.max_depth * self.decode_seconds(rung, optimistic),
+                                          prepared=self.prepared_for(rung))
+
+    def _learn_wall(self, rung: int, obs: StepObservation) -> None:
+        """Keep the step's wall time beside what the model, fitted with this step, says such a step costs (drafted
+        ahead: max(drafting, answer); else their sum). The gap is what the components leave out: the draft decode
+        that guesses the next tree's root before drafting ahead, a drafting-ahead level the answer waited for, the
+        finishing of a tree the answer cut short, the host's own time."""
+        if obs.wall_s <= 0 or obs.catchup:
+            return
+        answer = self.answer_seconds(obs.nodes)
+        if obs.draft_decodes:
+            draft = self.ladder[rung].max_depth * self.decode_seconds(rung)
+            predicted = max(draft, answer) if obs.prepared else draft + answer
+        else:
+            predicted = answer
+        count, wall, pred = self.wall_by_rung.get(rung, (0, 0.0, 0.0))
+        w = 1 / min(count + 1, REALIZED_WINDOW)
+        self.wall_by_rung[rung] = (count + 1, wall + (obs.wall_s - wall) * w, pred + (predicted - pred) * w)
+
+    def wall_factor(self, rung: int) -> float:
+        """How much dearer a drafted rung's steps run than the model says, relative to the drafted rungs' mean
+        (_own_wall_factor of each; 1 for target-only, for a rung without steps, and while only one drafted rung has
+        any). Relative only: it ranks the drafted shapes against each other (a wide tree whose drafting outlasts the
+        round trip waits on its levels more than a chain), but leaves the level of drafting against target-only
+        decoding to the model. On the simulated links of tools/bench_planner_sim.py (thirty-third session) the
+        factor applied in full made the 200 ms runs 0.93-0.94x fixed chain4 against 0.85-0.94x (fewer tree8 steps),
+        but the 100 ms runs 0.98-1.05x against 1.00-1.11x (short prose went target-only after two poor trees);
+        relative, 0.88-0.96x and 1.02-1.08x."""
+        if not self.ladder[rung].budget:
+            return 1.0
+        factors = {r: self._own_wall_factor(r) for r in self.wall_by_rung if self.ladder[r].budget}
+        if len(factors) < 2:
+            return 1.0
+        mean = float(np.mean(list(factors.values())))
+        return factors.get(rung, mean) / mean
+
+    def _own_wall_factor(self, rung: int) -> float:
+        """A rung's measured over modelled step time (running means of its steps), shrunk towards 1 by
+        WALL_PRIOR_STEPS."""
+        count, wall, pred = self.wall_by_rung[rung]
+        ratio = min(2.0, max(0.5, wall / pred)) if pred > 0 else 1.0
+        return (count * ratio + WALL_PRIOR_STEPS) / (count + WALL_PRIOR_STEPS)
 
     def decode_seconds(self, rung: int, optimistic: bool = False) -> float:
         """One drafting decode (a tree level) of this rung's shape: its own measured cost, else priced from the

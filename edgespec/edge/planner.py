@@ -261,8 +261,10 @@ class Planner:
     prepared_steps: int = 0
     # rung -> (its trees followed by a tree step, running mean of those drafted ahead): see PREPARED_PRIOR_STEPS
     prepared_by_rung: dict[int, tuple[int, float]] = field(default_factory=dict)
-    # rung -> (steps, running mean of their wall time, running mean of what the model predicted for them): wall_factor
+    # drafted rung -> (steps, running mean of their wall time, running mean of what the model predicted for them), and
+    # the wall_factor of each rung that has steps (None: to be computed; choose() prices every rung on every step)
     wall_by_rung: dict[int, tuple[int, float, float]] = field(default_factory=dict)
+    _wall_factors: dict[int, float] | None = field(default=None, repr=False)
     wall_seconds: float = 0.0     # observed step wall time, all steps
     explore_seconds: float = 0.0  # predicted wall time of the steps spent exploring
     # expected tokens per rung; they change only when a drafted tree is observed, and choose() runs
@@ -303,7 +305,6 @@ class Planner:
         if self.request_left is not None:
             self.request_left = max(0, self.request_left - 1 - int(obs.accepted.sum()))
         if obs.draft_decodes == 0:  # target-only: only link and verifier figures are news
-            self._learn_wall(0 if obs.nodes == 0 else self.rung_of(obs.shape), obs)
             self._in_flight_rung = None   # (and nothing is drafted ahead behind a target-only step)
             self._target_only_run += 1
             if self.requests and self._target_only_run >= self._target_only_retry and self._try_next is None:
@@ -604,29 +605,27 @@ class Planner:
         drafted at the cheapest wide-row cost measured so far (a chain's cost per decode before any)."""
         shape = self.ladder[rung]
         flat_verify = self.verify_flat(optimistic)
-        factor = 1.0 if optimistic else self.wall_factor(rung)
         if not shape.budget:
-            return factor * self.step_seconds(0, 0, flat_verify=flat_verify)
+            return self.step_seconds(0, 0, flat_verify=flat_verify)
+        factor = 1.0 if optimistic else self.wall_factor(rung)
         return factor * self.step_seconds(shape.budget, shape.max_depth, flat_verify=flat_verify,
                                           draft_s=shape.max_depth * self.decode_seconds(rung, optimistic),
                                           prepared=self.prepared_for(rung))
 
     def _learn_wall(self, rung: int, obs: StepObservation) -> None:
-        """Keep the step's wall time beside what the model, fitted with this step, says such a step costs (drafted
-        ahead: max(drafting, answer); else their sum). The gap is what the components leave out: the draft decode
-        that guesses the next tree's root before drafting ahead, a drafting-ahead level the answer waited for, the
-        finishing of a tree the answer cut short, the host's own time."""
+        """Keep a drafted step's wall time beside what the model, fitted with this step, says such a step costs
+        (drafted ahead: max(drafting, answer); else their sum). The gap is what the components leave out: the draft
+        decode that guesses the next tree's root before drafting ahead, a drafting-ahead level the answer waited for,
+        the finishing of a tree the answer cut short, the host's own time."""
         if obs.wall_s <= 0 or obs.catchup:
             return
         answer = self.answer_seconds(obs.nodes)
-        if obs.draft_decodes:
-            draft = self.ladder[rung].max_depth * self.decode_seconds(rung)
-            predicted = max(draft, answer) if obs.prepared else draft + answer
-        else:
-            predicted = answer
+        draft = self.ladder[rung].max_depth * self.decode_seconds(rung)
+        predicted = max(draft, answer) if obs.prepared else draft + answer
         count, wall, pred = self.wall_by_rung.get(rung, (0, 0.0, 0.0))
         w = 1 / min(count + 1, REALIZED_WINDOW)
         self.wall_by_rung[rung] = (count + 1, wall + (obs.wall_s - wall) * w, pred + (predicted - pred) * w)
+        self._wall_factors = None
 
     def wall_factor(self, rung: int) -> float:
         """How much dearer a drafted rung's steps run than the model says, relative to the drafted rungs' mean
@@ -637,13 +636,11 @@ class Planner:
         factor applied in full made the 200 ms runs 0.93-0.94x fixed chain4 against 0.85-0.94x (fewer tree8 steps),
         but the 100 ms runs 0.98-1.05x against 1.00-1.11x (short prose went target-only after two poor trees);
         relative, 0.88-0.96x and 1.02-1.08x."""
-        if not self.ladder[rung].budget:
-            return 1.0
-        factors = {r: self._own_wall_factor(r) for r in self.wall_by_rung if self.ladder[r].budget}
-        if len(factors) < 2:
-            return 1.0
-        mean = float(np.mean(list(factors.values())))
-        return factors.get(rung, mean) / mean
+        if self._wall_factors is None:
+            own = {r: self._own_wall_factor(r) for r in self.wall_by_rung}
+            mean = float(np.mean(list(own.values()))) if len(own) >= 2 else 0.0
+            self._wall_factors = {r: f / mean for r, f in own.items()} if mean else {}
+        return self._wall_factors.get(rung, 1.0) if self.ladder[rung].budget else 1.0
 
     def _own_wall_factor(self, rung: int) -> float:
         """A rung's measured over modelled step time (running means of its steps), shrunk towards 1 by

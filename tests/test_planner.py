@@ -676,7 +676,7 @@ def test_a_request_gone_target_only_tries_drafting_again_at_growing_intervals():
 def test_newer_path_acceptance_lifts_a_shape_whose_own_trees_missed_early_in_the_request():
     """A code answer whose first chain4 trees missed (its preamble), then whose chain2 trees are accepted whole
     step after step: chain4 has REQUEST_RETRIES trees of its own in the request, but the path acceptance since
-    its last tree is newer evidence, and chain4 comes back. Priced by its own early trees, the simulated 200 ms
+    its last miss is newer evidence, and chain4 comes back. Priced by its own early trees, the simulated 200 ms
     link kept such an answer on chain2 for its last 13 steps at 0.78x fixed chain4 (thirty-second session)."""
     from edgespec.edge.planner import REQUEST_RETRIES
 

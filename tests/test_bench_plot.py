@@ -27,3 +27,21 @@ def test_no_input_is_an_error(tmp_path):
                         "--link", str(tmp_path / "b.json"), "--wire", str(tmp_path / "c.json"), "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "no input found" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_gzipped_result_reads_as_its_plain_json(tmp_path):
+    """docs/bench keeps its large raw results gzipped: every reader (the plots, explain_divergence, replay_planner,
+    bench_link --from-json) goes through read_results, which must give the same object for both forms."""
+    import gzip
+    import json
+
+    from edgespec.cli.bench import read_results
+
+    data = {"meta": {"runs": [{"mode": "adaptive", "trace": [{"tree": {"tokens": [1, 2], "parents": [-1, 0]}}]}]}}
+    plain, packed = tmp_path / "r.json", tmp_path / "r.json.gz"
+    plain.write_text(json.dumps(data))
+    with gzip.open(packed, "wt") as f:
+        json.dump(data, f)
+    assert read_results(plain) == read_results(packed) == data
+    committed = sorted((ROOT / "docs" / "bench").glob("gpu_e2e_*.json.gz"))
+    assert committed and "meta" in read_results(committed[-1])

@@ -80,6 +80,8 @@ import netlab  # noqa: E402  (tests/netlab.py)
 from bench_local import add_model_args  # noqa: E402
 from bench_wire import load_prompts, machine  # noqa: E402
 
+from edgespec.cli.bench import read_results  # noqa: E402
+
 MODES = ("ar", "chain4", "adaptive")
 ALL_MODES = (*MODES, "router")
 
@@ -635,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-json", type=Path, help="re-render table (and plot unless --no-plot) from a saved --json")
     args = ap.parse_args(argv)
     if args.from_json:
-        res = json.loads(args.from_json.read_text())
+        res = read_results(args.from_json)
         if not args.no_plot:
             plot(res, args.plot)
         print(markdown(res))

@@ -36,6 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_link import first_difference, prompt_set  # noqa: E402
 
+from edgespec.cli.bench import read_results  # noqa: E402
 from edgespec.common import modelstore  # noqa: E402
 from edgespec.runtime.llama import ContextConfig, LlamaModel, TreeContext  # noqa: E402
 
@@ -149,7 +150,7 @@ def main() -> int:
                     help="whose numerics: the llama.cpp verifier's (default) or the torch verifier's")
     ap.add_argument("--device", default="cuda", help="with --backend torch")
     args = ap.parse_args()
-    res = json.loads(args.results.read_text())
+    res = read_results(args.results)
     command = res["meta"]["command"]
     count = {k: int(m.group(1)) if (m := re.search(rf"--{k} (\d+)", command)) else 2 for k in ("humaneval", "spec")}
     named = prompt_set(Path(__file__).resolve().parent / "data" / "spec_bench_questions.jsonl",

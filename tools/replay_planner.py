@@ -28,7 +28,9 @@ def replay(path: Path) -> tuple[list[dict], dict]:
     left at the end of each link condition (keyed "rtt/mbit")."""
     from edgespec.edge.planner import Planner, StepObservation
 
-    meta = json.loads(path.read_text())["meta"]
+    from edgespec.cli.bench import read_results
+
+    meta = read_results(path)["meta"]
     runs = [r for r in meta["runs"] if r["mode"] == "adaptive"]
     if not any("obs" in step for r in runs for step in r.get("trace", [])):
         raise SystemExit(f"{path}: no recorded observations (traces have `obs` from 2026-12-05, 30th session on)")

@@ -12,6 +12,7 @@ Inputs that are not given or do not exist are skipped (and said so).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -37,12 +38,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     plot.set_defaults(func=cmd_plot)
 
 
+def read_results(path: Path) -> Any:
+    """A benchmark's JSON result, plain or gzipped (`.gz`: docs/bench keeps its large raw files compressed, so the
+    tracked tree a GPU call carries beside the model pieces stays small)."""
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt") as f:
+            return json.load(f)
+    return json.loads(path.read_text())
+
+
 def _load(path: Path) -> Any | None:
     if not path.exists():
         print(f"skipped {path}: no such file")
         return None
     try:
-        return json.loads(path.read_text())
+        return read_results(path)
     except (OSError, ValueError) as exc:
         raise CliError(f"{path}: not a benchmark JSON file: {exc}") from None
 

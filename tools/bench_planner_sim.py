@@ -159,8 +159,9 @@ def run(args: argparse.Namespace) -> dict:
     table = {tuple(p): r for p, r in zip(prompts, refs)}
     config = ContextConfig(n_ctx=args.n_ctx, max_tree_nodes=64, n_threads=args.threads)
     modes = args.modes.split(",")
-    shapes = {m: TreeShape.target_only() if m == "ar" else None if m == "adaptive" else TreeShape.chain(int(m[5:]))
+    shapes = {m: TreeShape.target_only() if m == "ar" else None if m.startswith("adaptive") else TreeShape.chain(int(m[5:]))
               for m in modes}
+    ladder = parse_ladder(args.ladder) if args.ladder else None
     meta = {"machine": machine(), "command": " ".join(["python", *sys.argv]), "draft": draft_path.name,
             "target": target_path.name, "prompts": [n for n, _ in named], "max_tokens": args.max_tokens,
             "verify_ms": [args.verify_fixed_ms, args.verify_node_ms], "threads": args.threads,
@@ -176,6 +177,8 @@ def run(args: argparse.Namespace) -> dict:
                                   pipelined=True)
                 if mode == "adaptive":
                     decoder.planner = Planner()
+                elif mode == "adaptive-ladder":   # the planner over --ladder's shapes, beside the default's
+                    decoder.planner = Planner(ladder=ladder)
                 try:
                     for (name, _), prompt in zip(named, prompts):
                         d = one_request(decoder, prompt, args.max_tokens)
@@ -189,6 +192,23 @@ def run(args: argparse.Namespace) -> dict:
                     decoder.close()
                     drafter.close()
     return {"meta": meta, "planners": planners, "runs": runs}
+
+
+def parse_ladder(spec: str) -> tuple:
+    """'target-only,chain2,chain3,...,tree64' as TreeShapes: chainK any K, the tree labels the default LADDER's."""
+    from edgespec.edge.drafting import TreeShape
+    from edgespec.edge.planner import LADDER
+
+    known = {s.label: s for s in LADDER}
+    shapes = []
+    for label in spec.split(","):
+        if label.startswith("chain") and label[5:].isdigit():
+            shapes.append(TreeShape.chain(int(label[5:])))
+        elif label in known:
+            shapes.append(known[label])
+        else:
+            raise SystemExit(f"--ladder: unknown shape {label!r} (chainK or one of {', '.join(known)})")
+    return tuple(shapes)
 
 
 def summary(res: dict) -> str:
@@ -212,7 +232,9 @@ def summary(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rtts", default="100,200", help="round-trip times in ms, comma-separated")
-    ap.add_argument("--modes", default="ar,chain4,adaptive", help="ar, chainK, adaptive")
+    ap.add_argument("--modes", default="ar,chain4,adaptive", help="ar, chainK, adaptive, adaptive-ladder (--ladder's)")
+    ap.add_argument("--ladder", default="", help="shapes of the adaptive-ladder mode's planner, smallest first "
+                                                  "(e.g. target-only,chain2,chain3,chain4,chain6,tree8,tree16,tree32,tree64)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--humaneval", type=int, default=2)
     ap.add_argument("--spec", type=int, default=1)

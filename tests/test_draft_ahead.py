@@ -354,3 +354,16 @@ def test_the_simulated_verifier_answers_as_the_target_does(smol_model, smol_path
         drafter.close()
     assert out == reference[:len(out)] and len(out) >= len(reference) - 10 - 1
     assert decoder.stats.accepted > 0 and decoder.stats.prepared_hits > 0
+
+
+def test_the_simulators_ladder_option_names_shapes_by_their_labels():
+    """tools/bench_planner_sim.py --ladder: chainK for any K, tree labels from the planner's LADDER, in the order
+    given (the planner's rungs); a label it does not know stops the tool with the known ones named."""
+    import runpy
+
+    tool = runpy.run_path(str(TOOLS / "bench_planner_sim.py"))
+    shapes = tool["parse_ladder"]("target-only,chain2,chain3,chain4,chain6,tree8")
+    assert [s.label for s in shapes] == ["target-only", "chain2", "chain3", "chain4", "chain6", "tree8"]
+    assert shapes[2].budget == shapes[2].max_depth == 3 and shapes[2].width == shapes[2].branching == 1
+    with pytest.raises(SystemExit, match="tree12"):
+        tool["parse_ladder"]("chain2,tree12")

@@ -161,6 +161,8 @@ def run(args: argparse.Namespace) -> dict:
     modes = args.modes.split(",")
     shapes = {m: TreeShape.target_only() if m == "ar" else None if m.startswith("adaptive") else TreeShape.chain(int(m[5:]))
               for m in modes}
+    if ("adaptive-ladder" in modes) != bool(args.ladder):
+        raise SystemExit("--ladder and the adaptive-ladder mode go together")
     ladder = parse_ladder(args.ladder) if args.ladder else None
     meta = {"machine": machine(), "command": " ".join(["python", *sys.argv]), "draft": draft_path.name,
             "target": target_path.name, "prompts": [n for n, _ in named], "max_tokens": args.max_tokens,

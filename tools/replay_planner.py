@@ -26,9 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def replay(path: Path) -> tuple[list[dict], dict]:
     """Each adaptive tree step's (rtt, mbit, shape, predicted_s, wall_s) from one bench_link JSON, and the planners
     left at the end of each link condition (keyed "rtt/mbit")."""
-    from edgespec.edge.planner import Planner, StepObservation
-
     from edgespec.cli.bench import read_results
+    from edgespec.edge.planner import Planner, StepObservation
 
     meta = read_results(path)["meta"]
     runs = [r for r in meta["runs"] if r["mode"] == "adaptive"]

@@ -27,19 +27,18 @@ def test_pack_ancestor_bits():
     assert bits[0, 0].tolist() == [1 - 2 ** 31, 0] and bits[0, 1].tolist() == [2, 2]
 
 
-@pytest.mark.parametrize("nsplit,m_first,T,tree_split,block_m,block_n,merge_rows,merge_warps", [
-    (1, 1, 20, 0, 16, 16, 1, 0), (3, 1, 20, 0, 16, 16, 1, 0), (5, 0, 20, 0, 16, 16, 1, 0), (2, 1, 70, 0, 16, 16, 1, 0),
-    (1, 1, 20, 1, 16, 16, 1, 0), (3, 0, 70, 1, 16, 16, 1, 0), (2, 1, 70, 0, 16, 64, 1, 0), (2, 1, 32, 0, 0, 0, 1, 0),
-    (5, 0, 70, 1, 16, 16, 1, 0), (3, 1, 20, 0, 16, 16, 8, 0), (5, 0, 70, 1, 16, 16, 16, 0),
-    (5, 1, 20, 0, 16, 16, 1, 4), (3, 0, 70, 0, 16, 16, 8, 2)])
-def test_triton_kernel_equals_reference(nsplit, m_first, T, tree_split, block_m, block_n, merge_rows, merge_warps):
+@pytest.mark.parametrize("nsplit,m_first,T,tree_split,block_m,block_n,merge_rows", [
+    (1, 1, 20, 0, 16, 16, 1), (3, 1, 20, 0, 16, 16, 1), (5, 0, 20, 0, 16, 16, 1), (2, 1, 70, 0, 16, 16, 1),
+    (1, 1, 20, 1, 16, 16, 1), (3, 0, 70, 1, 16, 16, 1), (2, 1, 70, 0, 16, 64, 1), (2, 1, 32, 0, 0, 0, 1),
+    (5, 0, 70, 1, 16, 16, 1), (3, 1, 20, 0, 16, 16, 8), (5, 0, 70, 1, 16, 16, 16)])
+def test_triton_kernel_equals_reference(nsplit, m_first, T, tree_split, block_m, block_n, merge_rows):
     """Either program order (M_FIRST) gives the torch reference's output; 70 nodes: three ancestor
     words per row, and a key tile (16 or 64 keys) that starts inside one word and ends in the next;
     TREE_SPLIT: the tree's keys in a split of their own (a context of 0 leaves the context splits
     empty; 5 splits of a short context: the tree's 70 keys outnumber a context split's, so the
     interpreter's loop bound must cover them). block_m 0: the tiles tile_config fits with M_TILE_FIT
     (96 query rows: 32-row tiles). merge_rows: query rows a merge program takes (MERGE_ROWS; 60 and 210
-    rows are not multiples of 8 or 16: the last program's rest is masked); merge_warps: MERGE_WARPS (0: the rule)."""
+    rows are not multiples of 8 or 16: the last program's rest is masked)."""
     g = torch.Generator().manual_seed(nsplit)
     rng = np.random.default_rng(nsplit)
     B, Hkv, G, D, bs = 3, 2, 3, 32, 4
@@ -63,7 +62,7 @@ def test_triton_kernel_equals_reference(nsplit, m_first, T, tree_split, block_m,
     kernel = TritonPagedAttention(tables, ctx, anc, bs, G, nsplit=nsplit)
     kernel.BLOCK_M, kernel.BLOCK_N = block_m, block_n
     kernel.M_FIRST, kernel.TREE_SPLIT, kernel.M_TILE_FIT = m_first, tree_split, int(block_m == 0)
-    kernel.MERGE_ROWS, kernel.MERGE_ROWS_FROM, kernel.MERGE_WARPS = merge_rows, 1, merge_warps
+    kernel.MERGE_ROWS, kernel.MERGE_ROWS_FROM = merge_rows, 1
     if block_m == 0:
         assert kernel.launch_config(B, G * T, Hkv)[0] == 32
     out = kernel(q, cache)

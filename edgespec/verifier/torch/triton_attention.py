@@ -263,9 +263,6 @@ class TritonPagedAttention:
                             # round-robin: 8 rows at every row count made 8 x 64 1.4 % faster but 1 x 1 2.6 %, 4 x 1
                             # 6.7 % and 1 x 64 0.6 % slower (a program holds SPLITS x ROWS partial rows: T = 1 has 32
                             # splits)
-    MERGE_WARPS = 0         # warps a merge program runs on; 0: one per two of its query rows, 1 to 4. A program holds
-                            # SPLITS x ROWS x D partials: at T = 1 one warp loads 32 x 128 floats (152 registers a
-                            # thread, ~4 us alone under Nsight Compute on an H100, 2026-12-06)
     TREE_SPLIT = 0          # 1: one more split that takes the tree's (masked) keys alone, so that the context's
                             # programs run unmasked tiles only and the tree tile's unpipelined loads overlap them.
                             # Off: on the H200 (2026-12-02, docs/BENCHMARKS.md ninth session) steps were up to 4.6 %
@@ -370,5 +367,5 @@ class TritonPagedAttention:
             rows = self.merge_rows(B * T)
             _tree_attn_merge[(B * Hkv, triton.cdiv(MT, rows))](
                 acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns, SPLITS_P2=triton.next_power_of_2(ns),
-                ROWS=rows, num_warps=self.MERGE_WARPS or max(1, min(4, rows // 2)), **gdc)
+                ROWS=rows, num_warps=max(1, min(4, rows // 2)), **gdc)
         return out

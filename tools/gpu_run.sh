@@ -9,6 +9,7 @@
 #   tools/gpu_run.sh verifier      # random weights: ceilings, checks, attention vs cuDNN, steps vs HF,
 #                                  #   prefill riding in verify steps, a kernel profile; gpt-fast beside it
 #   tools/gpu_run.sh real          # real weights: greedy equality, capacity with recorded drafts, GPU χ²
+#   tools/gpu_run.sh ncu           # random weights: Nsight Compute on the <= 64-row kernels (tools/ncu_kernels.py)
 #   tools/gpu_run.sh e2e           # real weights: the edge (0.5B draft on the host CPU) against the GPU
 #                                  #   verifier through the relay at RTT 0/20/50/100 ms; each greedy
 #                                  #   divergence from AR recomputed in the GPU verifier's own steps
@@ -22,7 +23,7 @@
 # The host's copy of the checkout may carry a stale git HEAD: pass the commit as CODE_REV=<sha> (bench_link
 # records it).
 set -uo pipefail
-phase=${1:?usage: tools/gpu_run.sh experiments|verifier|real|capacity|e2e}
+phase=${1:?usage: tools/gpu_run.sh experiments|verifier|real|capacity|e2e|ncu}
 OUT=$(mkdir -p "${OUT:-gpu_out}" && cd "${OUT:-gpu_out}" && pwd)
 STAGE=${STAGE:-/tmp/stage}
 TARGET=$STAGE/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
@@ -132,6 +133,18 @@ case $phase in
       --json "$OUT/e2e_divergences.json"
     # the planner's step-time predictions against the run's measured steps (the same replay runs anywhere later)
     python3 tools/replay_planner.py "$OUT/e2e.json" --json "$OUT/e2e_replay.json"
+    ;;
+  ncu)   # why the <= 64-row kernels take what they take: Nsight Compute (on the GPU host's PATH) on one launch each
+    # of the small-rows matmuls at 16 and 64 rows and of the tree attention at T = 1 and 64 (tools/ncu_kernels.py).
+    # ncu flushes L2 and holds the base clock: compare ratios, not durations (docs/BENCHMARKS.md, 34th session)
+    site
+    NCU=$(command -v ncu) || { echo "no ncu on this host"; exit 5; }
+    S="--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats"
+    S="$S --section LaunchStats --section Occupancy"
+    "$NCU" --profile-from-start off $S python3 tools/ncu_kernels.py matmuls 16,64 > "$OUT/ncu_matmuls.txt" 2>&1
+    "$NCU" --profile-from-start off $S python3 tools/ncu_kernels.py attention 1,64 > "$OUT/ncu_attention.txt" 2>&1
+    grep -hE "^  _|Duration|DRAM Throughput|L2 Cache Throughput|Eligible Warps|Achieved Occupancy" \
+      "$OUT/ncu_matmuls.txt" "$OUT/ncu_attention.txt"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -14,6 +14,7 @@ bucket, one random tree of T nodes.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -81,17 +82,18 @@ def attention(trees: list[int]) -> None:
                                     f"{att.launch_config(1, T * Hq // Hkv, Hkv)}")
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] not in ("matmuls", "attention"):
-        print(__doc__, file=sys.stderr)
-        return 2
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("matmuls", "attention"))
+    ap.add_argument("counts", help="comma-separated token rows (matmuls) or tree sizes (attention)")
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("ncu_kernels.py: needs a CUDA GPU", file=sys.stderr)
-        return 2
-    counts = [int(v) for v in argv[1].split(",")]
-    (matmuls if argv[0] == "matmuls" else attention)(counts)
+        ap.error("needs a CUDA GPU")
+    counts = [int(v) for v in args.counts.split(",")]
+    (matmuls if args.what == "matmuls" else attention)(counts)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

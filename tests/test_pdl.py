@@ -127,18 +127,6 @@ def test_the_l2_warm_kernel_only_prefetches():
         assert seen["bulk_prefetches"] == 1 and seen["stores"] == 0, seen
         assert seen["loads_after_wait"] == seen["loads_before_wait"] == 0, seen
         assert seen["all_loads"] == seen["bulk_prefetches"], seen
-        assert seen["evict_last_hints"] == 0, seen
-
-
-def test_with_warm_evict_last_the_warmed_lines_carry_l2s_evict_last_priority():
-    """fused.WARM_EVICT_LAST: the same one bulk prefetch per row and thread, now with an L2 cache policy
-    (ptxas accepts it for sm_90); the forward's own kernels compile as without it."""
-    plain, hinted = _probe(1), _probe(1, "WARM_EVICT_LAST=1")
-    seen = hinted["_l2_warm_kernel"]
-    assert seen["bulk_prefetches"] == seen["all_loads"] == seen["evict_last_hints"] == 1, seen
-    assert seen["stores"] == 0, seen
-    assert {k: v for k, v in hinted.items() if k != "_l2_warm_kernel"} == \
-        {k: v for k, v in plain.items() if k != "_l2_warm_kernel"}
 
 
 # -- the child: run the wrappers on CPU tensors, compile each launch for sm_90, read its PTX --------------
@@ -212,7 +200,6 @@ def _compile_launches(gdc: int) -> dict[str, dict]:
                 "launch_after_wait": bool(waits and launches and launches[0] > waits[0]),
                 "loads_after_wait": sum(ln.startswith(LOADS) for ln in after_wait),
                 "loads_after_launch": sum(ln.startswith(LOADS) for ln in after_launch),
-                "evict_last_hints": sum(ln.startswith("createpolicy.fractional.L2::evict_last") for ln in lines),
             }
 
     for module in (fused, triton_attention):

@@ -358,12 +358,9 @@ def check_pdl() -> dict:
 
 
 def check_l2_warm() -> dict:
-    """fused.L2_WARM (a side stream asks L2 for the next weights while attention runs; with L2_WARM_QKV and
-    L2_WARM_DOWN beside the MLP too, the warmed lines marked to leave L2 last: WARM_EVICT_LAST)
-    against none, at every row count: the graphs fork and rejoin, the warming reads weights only."""
-    every = {"L2_WARM": 32, "L2_WARM_ROWS": 1 << 20}
-    return same_steps_under([{"L2_WARM": 0}] + [every | {"L2_WARM": 8}, every]
-                            + [every | {"L2_WARM_QKV": 1, "L2_WARM_DOWN": 1, "WARM_EVICT_LAST": 1}])
+    """fused.L2_WARM (a side stream asks L2 for the next weights while attention runs) against none, at every
+    row count: the graphs fork and rejoin, the warming reads weights only."""
+    return same_steps_under([{"L2_WARM": 0}] + [{"L2_WARM": mb, "L2_WARM_ROWS": 1 << 20} for mb in (8, 32)])
 
 
 def check_compaction() -> dict:

@@ -884,35 +884,21 @@ L2_WARM = 32      # MB of a layer's next weights that a side stream asks L2 for 
 L2_WARM_ROWS = 64  # ... for steps of at most this many token rows. 16 until the twenty-fourth session: with wqkv on
                    # linear_rows at 17-64 rows (every kernel of a layer in one PDL chain) warming there paid too
                    # (1 x 64 -4.2 % with both, against -1.4 % for the matmul alone; budgets 16 / 24 / 48 MB slower)
-L2_WARM_QKV = 0   # 1: where L2_WARM warms, the next layer's wqkv too, beside this layer's w2 (wqkv is the step's least
-                  # efficient matmul per byte at 17-64 rows: 6.3 MB at ~20 % of DRAM's peak, ramp and tail with
-                  # nothing between). Off until measured (thirty-fifth session)
-L2_WARM_DOWN = 0  # 1: ... and w2 (all of it) beside gate/up, whose stream leaves DRAM a third idle (Nsight Compute,
-                  # thirty-fourth session). Off until measured
-WARM_EVICT_LAST = 0   # 1: the warmed lines carry L2's evict-last priority, so the matrix streaming through L2 beside the
-                      # warming does not push them out before their kernel reads them. Off until measured (thirty-fifth
-                      # session)
 WARM_ROWS_PER_PROGRAM = 128   # rows (one bulk prefetch each) per program of the warming kernel; 1024 (fewer,
                               # longer programs) was 3-7 % slower at 1 x 1, 1 x 16 and 8 x 1 (H200, 2026-12-03)
 
 
 if triton is not None:
     @triton.jit
-    def _l2_warm_kernel(W, n_rows, row_len, nbytes, ROWS: tl.constexpr, EVICT_LAST: tl.constexpr):
+    def _l2_warm_kernel(W, n_rows, row_len, nbytes, ROWS: tl.constexpr):
         """One bulk L2 prefetch (cp.async.bulk.prefetch, sm_90+) of the first `nbytes` of each of ROWS rows of
         W [n_rows, row_len] per program: nothing waits for it, no register or shared memory receives it; the
         lines are in L2 when the next kernel that reads them starts. Surplus rows of the last program ask for
-        the last row again. EVICT_LAST: the lines carry L2's evict-last priority (WARM_EVICT_LAST)."""
+        the last row again."""
         r = tl.minimum(tl.program_id(0) * ROWS + tl.arange(0, ROWS), n_rows - 1)
         size = tl.full([ROWS], 0, tl.int32) + nbytes
-        if EVICT_LAST:
-            tl.inline_asm_elementwise(
-                "{\n.reg .b64 pol;\ncreatepolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
-                "cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol;\n} // dummy $0", "=r,l,r",
-                [W + r.to(tl.int64) * row_len, size], dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // dummy $0", "=r,l,r",
-                                      [W + r.to(tl.int64) * row_len, size], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // dummy $0", "=r,l,r",
+                                  [W + r.to(tl.int64) * row_len, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def bulk_prefetch_ok(device: torch.device) -> bool:
@@ -943,4 +929,4 @@ def warm_l2(weight: torch.Tensor, lines: int | None = None) -> None:
         raise ValueError(f"warm_l2: weight {tuple(weight.shape)} rows are not 16-byte aligned and contiguous")
     if nbytes:
         _l2_warm_kernel[(triton.cdiv(n, WARM_ROWS_PER_PROGRAM),)](weight, n, k, nbytes, ROWS=WARM_ROWS_PER_PROGRAM,
-                                                                   EVICT_LAST=bool(WARM_EVICT_LAST), num_warps=4)
+                                                                   num_warps=4)

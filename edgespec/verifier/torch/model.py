@@ -269,16 +269,15 @@ class TransformerLM(nn.Module):
                 qkv = fused.linear_rows(h, layer.wqkv.weight, layer.wqkv.bias) if use["wqkv"] else layer.wqkv(h)
                 q = fused.rope_store(qkv, cos, sin, cache[i], slots, c.n_head, c.n_head_kv)
             if warm is not None:   # wo and gate/up into L2 beside the attention (fused.L2_WARM): reads weights only
-                self._warm_beside(warm, (layer.wo.weight, None), (layer.w13.weight, warm_lines))
+                warm.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(warm):
+                    fused.warm_l2(layer.wo.weight)
+                    fused.warm_l2(layer.w13.weight, warm_lines)
             att = attend(q.view(B, T, c.n_head, c.head_dim), cache[i]).reshape(rows, -1)
             out = fused.linear_rows_partials(att, layer.wo.weight) if use["wo"] else layer.wo(att)
             h, x = fused.add_rmsnorm(x, out, layer.ffn_norm.weight, c.norm_eps)   # partials: summed here
-            if warm is not None and fused.L2_WARM_DOWN:   # w2 into L2 beside gate/up (fused.L2_WARM_DOWN)
-                self._warm_beside(warm, (layer.w2.weight, None))
             if use["w13"]:   # SiLU*up as the gate/up matmul's epilogue
                 act = fused.linear_silu(h, layer.w13.weight)
-                if warm is not None and fused.L2_WARM_QKV and i + 1 < len(self.layers):   # beside w2 (fused.L2_WARM_QKV)
-                    self._warm_beside(warm, (self.layers[i + 1].wqkv.weight, None))
                 down = fused.linear_rows_partials(act, layer.w2.weight) if use["w2"] else layer.w2(act)
             elif use["w2"]:  # float32 partials [SPLIT, rows, d], SiLU*up applied as w2 loads gate/up
                 down = fused.linear_rows_partials(layer.w13(h), layer.w2.weight, silu=True)
@@ -293,17 +292,6 @@ class TransformerLM(nn.Module):
         if not logits:
             return None
         return self.lm_head_logits(h.view(B, T, c.d_model))
-
-    @staticmethod
-    def _warm_beside(warm: torch.cuda.Stream, *weights: tuple[torch.Tensor, int | None]) -> None:
-        """Ask L2 for (the first `lines` 128-byte lines of each row of; None: all of) each weight on the side
-        stream `warm`, after what the current stream has queued so far and beside what it queues next."""
-        from edgespec.verifier.torch import fused
-
-        warm.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(warm):
-            for weight, lines in weights:
-                fused.warm_l2(weight, lines)
 
     def _side_stream(self) -> torch.cuda.Stream:
         """The stream that warms L2 beside the forward (one per model: captured graphs fork onto it)."""

@@ -4,6 +4,8 @@ several context lengths (one of them 0), padding rows, key splits. Its GPU speed
 tools/bench_gpu_verify.py. Needs the `triton` package (skipped where it is not installed)."""
 import math
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -617,3 +619,27 @@ def test_small_rows_matmuls_past_64_rows_when_the_knob_allows(rows):
                               fused.linear_silu_torch(x, gate_up), atol=1e-3)
     with pytest.raises(ValueError, match="1..64 rows"):
         fused.linear_rows(x, w, b, config=(16, 32, 1, 4, 2))
+
+
+def test_the_critical_path_charges_each_kernel_what_it_adds_to_the_chains_end():
+    """tools/bench_gpu_verify.critical_path: with PDL a kernel starts early and waits, so each is charged only
+    what it moves the chain's end (here the second matmul of a layer overlaps the first and adds 2 us);
+    launches are labelled by their place in a layer, the one before layer 0 as #pre; side-stream warming
+    is set apart; replays average."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from bench_gpu_verify import critical_path
+
+    def replay(t0: float) -> list[tuple[str, float, float]]:
+        ks = [("norm", t0, t0 + 1)]
+        t = t0 + 1
+        for _ in range(2):   # two layers: matmul, matmul (overlapping), norm; warming beside
+            ks += [("mm", t, t + 10), ("mm", t + 1, t + 12), ("warm", t, t + 30), ("norm", t + 12, t + 13)]
+            t += 13
+        return ks + [("head", t, t + 5)]
+
+    path = critical_path(replay(0.0) + replay(100.0), steps=2, layers=2, beside=frozenset({"warm"}))
+    assert path["kernels_per_step"] == 8 and path["span_us"] == 32
+    assert path["chain_us"] == {"mm#0": 20, "head": 5, "mm#1": 4, "norm#0": 2, "norm#pre": 1}
+    assert path["busy_us"]["mm#1"] == 22 and path["beside_us"] == 60
+    with pytest.raises(ValueError, match="replays"):
+        critical_path(replay(0.0)[:-1] + replay(100.0), steps=2, layers=2, beside=frozenset({"warm"}))

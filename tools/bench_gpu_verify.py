@@ -1112,6 +1112,49 @@ def bench_capacity(args, config: ModelConfig, dtype, model: TransformerLM | None
     return rows
 
 
+def critical_path(kernels: list[tuple[str, float, float]], steps: int, layers: int,
+                  beside: frozenset[str] = frozenset({"_l2_warm_kernel"})) -> dict:
+    """Where a replayed step's time goes when its kernels overlap (with PDL a kernel starts early and waits in
+    griddepcontrol.wait, so its duration says little): `kernels` (name, start, end in us) of `steps` replays,
+    the kernels of `beside` (side-stream warming) set apart. Each main-chain kernel, in start order, is charged
+    what it adds to the chain's end (its end minus the latest end before it in its step; 0 when it ends inside
+    an earlier one). Charges are summed per label and averaged over the replays: a label is the kernel's name
+    and which of its launches in a layer it is (`_linear_rows_kernel#2`: the third of the layer's), from its
+    launch count per step over `layers` layers; launches beyond whole layers come first (`#pre`: the first
+    RMSNorm before layer 0's)."""
+    main = sorted((k for k in kernels if k[0] not in beside), key=lambda k: k[1])
+    if not main or len(main) % steps:
+        raise ValueError(f"{len(main)} main-chain kernels do not split into {steps} replays")
+    per_step = len(main) // steps
+    charged: dict[str, float] = {}
+    busy: dict[str, float] = {}
+    spans = []
+    for r in range(steps):
+        step = main[r * per_step:(r + 1) * per_step]
+        counts: dict[str, int] = {}
+        for name, _, _ in step:
+            counts[name] = counts.get(name, 0) + 1
+        seen: dict[str, int] = {}
+        chain_end = step[0][1]
+        for name, start, end in step:
+            k = seen.get(name, 0)
+            seen[name] = k + 1
+            per_layer, extra = divmod(counts[name], layers)
+            if not per_layer:
+                label = name if counts[name] == 1 else f"{name}#{k}"
+            else:
+                label = f"{name}#pre" if k < extra else f"{name}#{(k - extra) % per_layer}"
+            charged[label] = charged.get(label, 0.0) + max(0.0, end - chain_end) / steps
+            busy[label] = busy.get(label, 0.0) + (end - start) / steps
+            chain_end = max(chain_end, end)
+        spans.append(chain_end - step[0][1])
+    side = [k for k in kernels if k[0] in beside]
+    return {"span_us": sum(spans) / steps, "kernels_per_step": per_step,
+            "chain_us": {k: round(v, 2) for k, v in sorted(charged.items(), key=lambda kv: -kv[1])},
+            "busy_us": {k: round(v, 2) for k, v in busy.items()},
+            "beside_us": round(sum(e - s for _, s, e in side) / steps, 2)}
+
+
 def profile_steps(args, config: ModelConfig, dtype) -> list[dict]:
     """Where a replayed step's time goes: each kernel's mean time per step (CUPTI through
     torch.profiler, 20 replays) for a few (B, T) cells, and the gap (replay time minus the sum of
@@ -1143,20 +1186,30 @@ def profile_steps(args, config: ModelConfig, dtype) -> list[dict]:
                 graph.replay()
             torch.cuda.synchronize()
         kernels = {}
+        timeline = []
         for e in prof.events():
             if e.device_type.name == "CUDA" and e.device_time_total > 0:
                 k = kernels.setdefault(e.name[:90], [0.0, 0])
                 k[0] += e.device_time_total / n
                 k[1] += 1 / n
+                timeline.append((e.name[:90], e.time_range.start, e.time_range.end))
         total_us = sum(v[0] for v in kernels.values())
         top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
         row = {"batch": B, "tree": T, "small_rows_matmul": small, "replay_ms": replay, "kernel_sum_ms": total_us / 1000,
                "kernels_per_step": round(sum(v[1] for v in kernels.values()), 1),
                "top": [{"name": k, "us_per_step": round(v[0], 2), "launches_per_step": round(v[1], 1)} for k, v in top]}
+        try:
+            row["critical_path"] = critical_path(timeline, n, config.n_layer)
+        except ValueError as exc:   # a replay with a kernel more or less than the others: no per-step chain
+            row["critical_path"] = {"error": str(exc)}
         rows.append(row)
-        log("[profile]", json.dumps({k: v for k, v in row.items() if k != "top"}))
+        log("[profile]", json.dumps({k: v for k, v in row.items() if k not in ("top", "critical_path")}))
         for t in row["top"]:
             log(f"    {t['us_per_step']:9.2f} us  x{t['launches_per_step']:<6} {t['name']}")
+        path = row["critical_path"]
+        log(f"[critical path] {B}x{T}: span {path.get('span_us', math.nan):.1f} us, beside {path.get('beside_us')} us")
+        for label, us in list(path.get("chain_us", {}).items())[:16]:
+            log(f"    {us:9.2f} us on the chain, {path['busy_us'][label]:9.2f} us busy  {label}")
         for s in seqs:
             s.close()
     return rows

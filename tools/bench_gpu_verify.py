@@ -1148,11 +1148,14 @@ def critical_path(kernels: list[tuple[str, float, float]], steps: int, layers: i
             busy[label] = busy.get(label, 0.0) + (end - start) / steps
             chain_end = max(chain_end, end)
         spans.append(chain_end - step[0][1])
+        if r == 0:   # the first replay's ends, where a step's fixed costs are (copies in and out, prepare, accept)
+            t0 = step[0][1]
+            ends = [(n[:40], round(a - t0, 2), round(b - t0, 2)) for n, a, b in step[:8] + step[-6:]]
     side = [k for k in kernels if k[0] in beside]
     return {"span_us": sum(spans) / steps, "kernels_per_step": per_step,
             "chain_us": {k: round(v, 2) for k, v in sorted(charged.items(), key=lambda kv: -kv[1])},
             "busy_us": {k: round(v, 2) for k, v in busy.items()},
-            "beside_us": round(sum(e - s for _, s, e in side) / steps, 2)}
+            "beside_us": round(sum(e - s for _, s, e in side) / steps, 2), "first_replay_ends": ends}
 
 
 def profile_steps(args, config: ModelConfig, dtype) -> list[dict]:
@@ -1210,6 +1213,8 @@ def profile_steps(args, config: ModelConfig, dtype) -> list[dict]:
         log(f"[critical path] {B}x{T}: span {path.get('span_us', math.nan):.1f} us, beside {path.get('beside_us')} us")
         for label, us in list(path.get("chain_us", {}).items())[:16]:
             log(f"    {us:9.2f} us on the chain, {path['busy_us'][label]:9.2f} us busy  {label}")
+        for name, start, end in path.get("first_replay_ends", []):
+            log(f"    {start:9.2f} -> {end:9.2f} us  {name}")
         for s in seqs:
             s.close()
     return rows

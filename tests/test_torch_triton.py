@@ -463,6 +463,71 @@ def test_fused_forward_with_rope_in_the_matmul_equals_without(monkeypatch, knob)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_sums_k_split_partials_as_linear_rows_would(dtype):
+    """rope_store given a K-split wqkv matmul's float32 partials and the bias: the same q and cache rows as
+    rope_store of those partials summed in order, plus the bias, rounded to the dtype (what linear_rows'
+    summing launch writes). A bias without partials is refused."""
+    from edgespec.verifier.torch import fused
+
+    g = torch.Generator().manual_seed(11)
+    n_head, n_head_kv, D, rows, S, parts = 4, 2, 16, 5, 12, 3
+    N = (n_head + 2 * n_head_kv) * D
+    partials = torch.randn(parts, rows, N, generator=g)
+    bias = torch.randn(N, generator=g).to(dtype)
+    ang = torch.rand(rows, D // 2, generator=g) * 6.0
+    cos, sin, slots = ang.cos(), ang.sin(), torch.tensor([7, 2, 9, 0, 11])
+    summed = partials[0].clone()
+    for p in range(1, parts):
+        summed += partials[p]
+    summed = (summed + bias.float()).to(dtype)
+    cache_ref, cache = torch.zeros(2, S, n_head_kv, D, dtype=dtype), torch.zeros(2, S, n_head_kv, D, dtype=dtype)
+    q_ref = fused.rope_store(summed, cos, sin, cache_ref, slots, n_head, n_head_kv)
+    q = fused.rope_store(partials, cos, sin, cache, slots, n_head, n_head_kv, bias=bias)
+    assert q.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.equal(q, q_ref) and torch.equal(cache, cache_ref)
+    else:   # the interpreter truncates to bf16 where torch (and the GPU) round: one bf16 step apart at most
+        assert torch.allclose(q.float(), q_ref.float(), atol=2e-2, rtol=2e-2)
+        assert torch.allclose(cache.float(), cache_ref.float(), atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="bias"):
+        fused.rope_store(summed, cos, sin, cache, slots, n_head, n_head_kv, bias=bias)
+
+
+def test_fused_forward_with_a_k_split_wqkv_equals_the_unsplit_one(monkeypatch):
+    """Where the table splits wqkv's K (ROPE_SUMS_PARTIALS), the fused forward runs it as linear_rows_partials and
+    rope_store sums the partials: logits and cache as with the unsplit matmul and RoPE in its epilogue (tiny
+    float32 model, a 5-node tree step after a 13-token prefill), up to the sums' order."""
+    from edgespec.verifier.torch import fused
+    from edgespec.verifier.torch.engine import Engine
+    from edgespec.verifier.torch.model import ModelConfig, TransformerLM
+
+    c = ModelConfig.tiny("qwen2")
+    qkv = (c.n_head + 2 * c.n_head_kv) * c.head_dim
+    model = TransformerLM.random(c, dtype=torch.float32, seed=9)
+    prefix = np.random.default_rng(3).integers(0, 512, size=13).tolist()
+    tokens, parents = [5, 9, 11, 3, 7], [-1, 0, 0, 1, 1]
+    summed = []
+    rope_call = fused.rope_store
+    monkeypatch.setattr(fused, "rope_store", lambda qkv_, *a, **kw: summed.append(qkv_.dim() == 3) or rope_call(qkv_, *a, **kw))
+    out = []
+    for split in (1, 2):
+        monkeypatch.setattr(fused, "LINEAR_ROWS_TABLE", {(qkv, c.d_model): [(16, (24, 32, split, 4, 2))]})
+        assert fused.rope_sums_partials(5, model.layers[0].wqkv.weight) == (split > 1)
+        assert fused.rope_in_matmul_fits(5, model.layers[0].wqkv.weight, c.head_dim) == (split == 1)
+        engine = Engine(model, num_blocks=16, block_size=4, attention="torch", fused=True, small_rows_matmul=64)
+        seq = engine.new_sequence()
+        engine.prefill(seq, prefix)
+        summed.clear()
+        out.append((engine.logits(seq, tokens, parents), engine.cache.flat.clone()))
+        assert summed == ([True] * c.n_layer if split > 1 else [])
+    model.fused_ops, model.small_rows_matmul = False, 0
+    assert torch.allclose(out[0][0], out[1][0], atol=1e-4), float((out[0][0] - out[1][0]).abs().max())
+    assert torch.allclose(out[0][1], out[1][1], atol=1e-5)
+    with knobs.override({"ROPE_SUMS_PARTIALS": 0}):
+        assert not fused.rope_sums_partials(5, model.layers[0].wqkv.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_split_k_partials_sum_to_the_matmul(dtype):
     """fused.linear_split_k: float32 partials [parts, rows, N] over equal K slices (strided views, one batched
     GEMM) that sum to x @ W^T; parts <= 1 is F.linear itself; K that does not divide is refused."""

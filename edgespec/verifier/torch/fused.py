@@ -146,36 +146,21 @@ if triton is not None:
         tl.store(dst + D // 2, o2, mask=mask)
 
     @triton.jit
-    def _rope_store_kernel(QKV, Bias, Cos, Sin, Slots, KC, VC, QO, v_offset, rows,
+    def _rope_store_kernel(QKV, Cos, Sin, Slots, KC, VC, QO, v_offset,
                            H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr,
-                           PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, GDC: tl.constexpr):
+                           GDC: tl.constexpr):
         """One program per token row and HEADS of its heads at once ([HEADS, D/2] tiles): RoPE on the
         q and k heads, q to QO, k and v to their cache slot. (A program per (row, head) left 8192
         one-warp programs at 512 rows: 6 us per layer on the H200 for 2 MB; all heads of a row in one
-        program made the one-row step's 28 calls 14 us slower, so few rows split their heads.)
-        PARTS > 0: QKV is a K-split matmul's float32 partials [PARTS, rows, heads * D], summed with the
-        bias and rounded to QO's dtype as _sum_partials_kernel would write them (no launch of it)."""
+        program made the one-row step's 28 calls 14 us slower, so few rows split their heads.)"""
         gdc_enter(GDC)
         row = tl.program_id(0)
         head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
         half = tl.arange(0, D // 2)
         ok = (head < H_Q + 2 * H_KV)[:, None]
-        at = (row * (H_Q + 2 * H_KV) + head)[:, None] * D + half[None, :]
-        if PARTS > 0:
-            x1 = tl.zeros([HEADS, D // 2], tl.float32)
-            x2 = tl.zeros([HEADS, D // 2], tl.float32)
-            for p in tl.static_range(PARTS):
-                x1 += tl.load(QKV + p * rows * (H_Q + 2 * H_KV) * D + at, mask=ok, other=0.0)
-                x2 += tl.load(QKV + p * rows * (H_Q + 2 * H_KV) * D + at + D // 2, mask=ok, other=0.0)
-            if HAS_BIAS:
-                b = Bias + head[:, None] * D + half[None, :]
-                x1 += tl.load(b, mask=ok, other=0.0).to(tl.float32)
-                x2 += tl.load(b + D // 2, mask=ok, other=0.0).to(tl.float32)
-            x1 = x1.to(QO.dtype.element_ty).to(tl.float32)
-            x2 = x2.to(QO.dtype.element_ty).to(tl.float32)
-        else:
-            x1 = tl.load(QKV + at, mask=ok, other=0.0).to(tl.float32)
-            x2 = tl.load(QKV + at + D // 2, mask=ok, other=0.0).to(tl.float32)
+        src = QKV + (row * (H_Q + 2 * H_KV) + head)[:, None] * D + half[None, :]
+        x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(src + D // 2, mask=ok, other=0.0).to(tl.float32)
         c = tl.load(Cos + row * (D // 2) + half)[None, :]
         s = tl.load(Sin + row * (D // 2) + half)[None, :]
         _rotate_and_store(x1, x2, c, s, head[:, None], half[None, :], row, tl.load(Slots + row), KC, VC, QO,
@@ -823,21 +808,14 @@ ROPE_ROWS_ALL_HEADS = 16   # from this many token rows on, one rope_store progra
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
-               slots: torch.Tensor, n_head: int, n_head_kv: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """rope_store_torch as one launch. qkv [rows, heads * D] (bias None: already in it), or a K-split wqkv
-    matmul's float32 partials [parts, rows, heads * D] (linear_rows_partials), which the kernel sums with
-    `bias` and rounds to the cache's dtype as linear_rows would, in place of linear_rows' own summing launch."""
-    parts = qkv.shape[0] if qkv.dim() == 3 else 0
-    if (bias is not None) != bool(parts):
-        raise ValueError("rope_store: a bias goes with float32 partials [parts, rows, heads * D] only")
-    rows = qkv.shape[-2]
+               slots: torch.Tensor, n_head: int, n_head_kv: int) -> torch.Tensor:
+    rows = qkv.shape[0]
     D = cache.shape[-1]
-    q = torch.empty(rows, n_head, D, dtype=cache.dtype, device=qkv.device)
+    q = torch.empty(rows, n_head, D, dtype=qkv.dtype, device=qkv.device)
     heads = n_head + 2 * n_head_kv
     per_program = triton.next_power_of_2(heads) if rows >= ROPE_ROWS_ALL_HEADS else min(2, triton.next_power_of_2(heads))
     _rope_store_kernel[(rows, triton.cdiv(heads, per_program))](
-        qkv, qkv if bias is None else bias, cos, sin, slots, cache, cache, q, cache.stride(0), rows, H_Q=n_head,
-        H_KV=n_head_kv, D=D, HEADS=per_program, PARTS=parts, HAS_BIAS=bias is not None,
+        qkv, cos, sin, slots, cache, cache, q, cache.stride(0), H_Q=n_head, H_KV=n_head_kv, D=D, HEADS=per_program,
         num_warps=4 if per_program * D >= 2048 else 1, **pdl.launch_args(qkv.device, rows))
     return q
 
@@ -851,20 +829,6 @@ GEMV_ROPE = 0   # 1: a one-token step's wqkv GEMV also does RoPE and the cache w
 ROWS_ROPE = 1   # from two rows on (steps where linear_rows serves wqkv) its epilogue does RoPE and the cache writes
                 # (0: rope_store's own launch). H200, 2026-12-02, round-robin replays: 1 x 16 -2.5 %, 8 x 1 -0.3 %;
                 # the other cells did not use it then (within 0.2 %); 17-64 rows do since the twenty-fourth session
-
-
-ROPE_SUMS_PARTIALS = 1   # where the table's wqkv config splits K (float32 partials), rope_store sums them (no summing
-                         # launch of linear_rows). No shipped config splits wqkv's K: this serves the benchmarks'
-                         # '%' table variants (thirty-fifth session) and the configs a GPU of other shape may pick
-
-
-def rope_sums_partials(rows: int, weight: torch.Tensor) -> bool:
-    """Whether the wqkv matmul at `rows` rows runs as linear_rows_partials whose K-split partials rope_store sums
-    (ROPE_SUMS_PARTIALS, and a table config with SPLIT > 1)."""
-    if not ROPE_SUMS_PARTIALS or not linear_rows_wins(rows, *weight.shape):
-        return False
-    _, block_k, split, _, _ = linear_rows_config(rows, *weight.shape)
-    return k_slices(weight.shape[1], split, block_k)[1] > 1
 
 
 def rope_in_matmul_fits(rows: int, weight: torch.Tensor, head_dim: int) -> bool:

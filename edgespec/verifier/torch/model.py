@@ -258,7 +258,6 @@ class TransformerLM(nn.Module):
         cos, sin = cos.reshape(rows, -1), sin.reshape(rows, -1)
         h, x = fused.add_rmsnorm(x, None, self.layers[0].attn_norm.weight, c.norm_eps)
         rope_in_matmul = use["wqkv"] and fused.rope_in_matmul_fits(rows, blk.wqkv.weight, c.head_dim)
-        rope_sums = use["wqkv"] and not rope_in_matmul and fused.rope_sums_partials(rows, blk.wqkv.weight)
         w2_parts = fused.w2_split_k(rows, blk.w2.weight.shape[1])   # w2's K slices where it runs on cuBLAS
         warm_lines = fused.l2_warm_lines(rows, blk.wo.weight, blk.w13.weight) if x.is_cuda else None
         warm = self._side_stream() if warm_lines is not None else None
@@ -266,9 +265,6 @@ class TransformerLM(nn.Module):
             if rope_in_matmul:   # one launch: the matmul's epilogue rotates and writes the cache
                 q = fused.linear_rope_store(h, layer.wqkv.weight, layer.wqkv.bias, cos, sin, cache[i], slots,
                                             c.n_head, c.n_head_kv)
-            elif rope_sums:      # K-split partials, summed (with the bias) by RoPE's launch
-                q = fused.rope_store(fused.linear_rows_partials(h, layer.wqkv.weight), cos, sin, cache[i], slots,
-                                     c.n_head, c.n_head_kv, bias=layer.wqkv.bias)
             else:
                 qkv = fused.linear_rows(h, layer.wqkv.weight, layer.wqkv.bias) if use["wqkv"] else layer.wqkv(h)
                 q = fused.rope_store(qkv, cos, sin, cache[i], slots, c.n_head, c.n_head_kv)

@@ -1113,7 +1113,7 @@ def bench_capacity(args, config: ModelConfig, dtype, model: TransformerLM | None
 
 
 def critical_path(kernels: list[tuple[str, float, float]], steps: int, layers: int,
-                  beside: frozenset[str] = frozenset({"_l2_warm_kernel"})) -> dict:
+                  beside: frozenset[str] = frozenset({"_l2_warm_kernel"}), skip: int = 1) -> dict:
     """Where a replayed step's time goes when its kernels overlap (with PDL a kernel starts early and waits in
     griddepcontrol.wait, so its duration says little): `kernels` (name, start, end in us) of `steps` replays,
     the kernels of `beside` (side-stream warming) set apart. Each main-chain kernel, in start order, is charged
@@ -1121,15 +1121,19 @@ def critical_path(kernels: list[tuple[str, float, float]], steps: int, layers: i
     an earlier one). Charges are summed per label and averaged over the replays: a label is the kernel's name
     and which of its launches in a layer it is (`_linear_rows_kernel#2`: the third of the layer's), from its
     launch count per step over `layers` layers; launches beyond whole layers come first (`#pre`: the first
-    RMSNorm before layer 0's)."""
+    RMSNorm before layer 0's). The first `skip` replays are left out: under the profiler the first one waits
+    ~0.3-0.5 ms between its input copy and its first kernel (CUPTI starting up; H100, thirty-fifth session)."""
     main = sorted((k for k in kernels if k[0] not in beside), key=lambda k: k[1])
     if not main or len(main) % steps:
         raise ValueError(f"{len(main)} main-chain kernels do not split into {steps} replays")
+    if not 0 <= skip < steps:
+        raise ValueError(f"cannot leave out {skip} of {steps} replays")
     per_step = len(main) // steps
     charged: dict[str, float] = {}
     busy: dict[str, float] = {}
     spans = []
-    for r in range(steps):
+    kept = steps - skip
+    for r in range(skip, steps):
         step = main[r * per_step:(r + 1) * per_step]
         counts: dict[str, int] = {}
         for name, _, _ in step:
@@ -1144,18 +1148,18 @@ def critical_path(kernels: list[tuple[str, float, float]], steps: int, layers: i
                 label = name if counts[name] == 1 else f"{name}#{k}"
             else:
                 label = f"{name}#pre" if k < extra else f"{name}#{(k - extra) % per_layer}"
-            charged[label] = charged.get(label, 0.0) + max(0.0, end - chain_end) / steps
-            busy[label] = busy.get(label, 0.0) + (end - start) / steps
+            charged[label] = charged.get(label, 0.0) + max(0.0, end - chain_end) / kept
+            busy[label] = busy.get(label, 0.0) + (end - start) / kept
             chain_end = max(chain_end, end)
         spans.append(chain_end - step[0][1])
-        if r == 0:   # the first replay's ends, where a step's fixed costs are (copies in and out, prepare, accept)
+        if r == skip:   # the first kept replay's ends, where a step's fixed costs are (copies in, prepare, accept)
             t0 = step[0][1]
             ends = [(n[:40], round(a - t0, 2), round(b - t0, 2)) for n, a, b in step[:8] + step[-6:]]
-    side = [k for k in kernels if k[0] in beside]
-    return {"span_us": sum(spans) / steps, "kernels_per_step": per_step,
+    side = [k for k in kernels if k[0] in beside and k[1] >= main[skip * per_step][1]]
+    return {"span_us": sum(spans) / kept, "kernels_per_step": per_step, "replays": kept,
             "chain_us": {k: round(v, 2) for k, v in sorted(charged.items(), key=lambda kv: -kv[1])},
             "busy_us": {k: round(v, 2) for k, v in busy.items()},
-            "beside_us": round(sum(e - s for _, s, e in side) / steps, 2), "first_replay_ends": ends}
+            "beside_us": round(sum(e - s for _, s, e in side) / kept, 2), "first_replay_ends": ends}
 
 
 def profile_steps(args, config: ModelConfig, dtype) -> list[dict]:

@@ -20,6 +20,9 @@
 # `edgespec/v1` (see docs/BENCHMARKS.md for the exact calls);
 # the tokenized prompts (tools/make_gpu_prompts.py) and the recorded drafts (bench_tau.py --humaneval 14
 # --spec-bench-prompts 14 --max-tokens 128 --configs model+lookup --record-trees) are tracked in tools/data/.
+# A lent machine that idles 30 s is given back: send the staging calls in the same batch as the call before them (the
+# thirty-fifth session lost an H200 while composing them after `verifier`), and where only one card will do, begin each
+# with `nvidia-smi -L | grep -q H200 || exit 0` so that on another card the batch costs seconds, not the phases.
 # The host's copy of the checkout may carry a stale git HEAD: pass the commit as CODE_REV=<sha> (bench_link
 # records it).
 set -uo pipefail

@@ -72,30 +72,6 @@ def test_triton_kernel_equals_reference(nsplit, m_first, T, tree_split, block_m,
         assert torch.allclose(out[b, :n], ref[b, :n], atol=1e-5), float((out[b, :n] - ref[b, :n]).abs().max())
 
 
-def test_empty_splits_skipped_give_the_same_output(monkeypatch):
-    """SKIP_EMPTY_SPLITS: splits past a sequence's keys (8 splits of 16-key tiles over contexts of 37, 0 and 6 keys
-    plus the tree) load and write nothing, and the merge reads only the splits that had keys: the output is
-    the plain kernel's, bit for bit, with the partial buffers starting as NaN (a read of an unwritten split
-    would show)."""
-    g = torch.Generator().manual_seed(5)
-    B, Hkv, G, D, bs, T = 3, 2, 3, 32, 4, 9
-    cache = torch.randn(2, 64 * bs, Hkv, D, generator=g)
-    ctx = torch.tensor([37, 0, 6])
-    tables = torch.arange(B * 16).view(B, 16)
-    anc = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1) | torch.ones(T, T, dtype=torch.bool).tril()
-    q = torch.randn(B, T, Hkv * G, D, generator=g)
-    ref = TorchPagedAttention(tables, ctx, anc, bs, G)(q, cache)
-    empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
-    outs = []
-    for skip in (0, 1):
-        kernel = TritonPagedAttention(tables, ctx, anc, bs, G, nsplit=8)
-        kernel.BLOCK_M, kernel.BLOCK_N, kernel.SKIP_EMPTY_SPLITS = 16, 16, skip
-        outs.append(kernel(q, cache))
-    assert not torch.isnan(outs[1]).any() and torch.equal(outs[0], outs[1])   # every row is a real tree node here
-    assert torch.allclose(outs[1], ref, atol=1e-5), float((outs[1] - ref).abs().max())
-
-
 def test_fitted_query_tiles_pad_fewer_rows():
     """M_TILE_FIT: 96 query rows (T = 16 at 6 query heads per KV head) in three 32-row tiles, not two
     64-row ones; 384 rows keep 64-row tiles, a handful of rows 16-row ones (the kernel on fitted tiles:

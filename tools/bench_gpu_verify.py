@@ -363,12 +363,6 @@ def check_l2_warm() -> dict:
     return same_steps_under([{"L2_WARM": 0}] + [{"L2_WARM": mb, "L2_WARM_ROWS": 1 << 20} for mb in (8, 32)])
 
 
-def check_skip_empty() -> dict:
-    """TritonPagedAttention.SKIP_EMPTY_SPLITS (splits past a sequence's keys write nothing, the merge reads the
-    others) against the plain kernel: the merge drops only terms of weight 0, so bit-identical."""
-    return same_steps_under([{"SKIP_EMPTY_SPLITS": 0}, {"SKIP_EMPTY_SPLITS": 1}])
-
-
 def check_compaction() -> dict:
     """Compaction between CUDA-graph steps: two engines on the same tiny float32 model run the same
     steps; one compacts the cache before every step (threshold 0, checked every call), after short
@@ -838,8 +832,8 @@ def interleaved_replays(variants: list[tuple[str, Engine]], rows: list[dict], wa
 
 
 def attention_launch(engine: Engine, B: int, T: int, context: int) -> list[int] | None:
-    """The tree-attention kernel's (BLOCK_M, BLOCK_N, stages, splits, warps, merge rows, empty splits skipped) in
-    a step of B trees of T nodes at `context`, with the knobs in effect (None for another attention): tools/pick_knobs.py
+    """The tree-attention kernel's (BLOCK_M, BLOCK_N, stages, splits, warps, merge rows) in a step of B
+    trees of T nodes at `context`, with the knobs in effect (None for another attention): tools/pick_knobs.py
     does not count a cell that an attention knob launches as the default does (its difference there is the
     run's noise)."""
     cls = engine.attention_cls
@@ -850,9 +844,7 @@ def attention_launch(engine: Engine, B: int, T: int, context: int) -> list[int] 
     att = cls.__new__(cls)   # launch_config needs only the table width and a split count
     att.max_keys, att.nsplit = engine._table_blocks(-(-(context + T) // bs)) * bs, None
     launch = att.launch_config(bucket(B), bucket(T) * c.group, c.n_head_kv)
-    merged = launch[3] > 1
-    return [*launch, cls.NUM_WARPS, cls.merge_rows(bucket(B) * bucket(T)) if merged else 0,   # (0: no merge)
-            int(bool(cls.SKIP_EMPTY_SPLITS and merged and not cls.TREE_SPLIT))]
+    return [*launch, cls.NUM_WARPS, cls.merge_rows(bucket(B) * bucket(T)) if launch[3] > 1 else 0]   # (0: no merge)
 
 
 def bench_mixed(args, config: ModelConfig, dtype, ceil: dict | None) -> list[dict]:
@@ -1283,8 +1275,7 @@ def main() -> int:
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--skip", default="",
                    help="comma-separated sections to skip: ceilings,checks,attention,matmuls,step,mixed,hf,capacity")
-    p.add_argument("--checks",
-                   default="kernel,engine,compaction,gemv_rope,rows_rope,move_rows,tree_split,pdl,l2_warm,skip_empty",
+    p.add_argument("--checks", default="kernel,engine,compaction,gemv_rope,rows_rope,move_rows,tree_split,pdl,l2_warm",
                    help="which checks the checks section runs")
     p.add_argument("--small-rows-matmul", default="",
                    help="step cells with these Engine small_rows_matmul values, comma-separated: off (0), on (64) "
@@ -1362,8 +1353,7 @@ def main() -> int:
                                "RoPE in the 16-row wqkv matmul vs its own launch"),
                               ("move_rows", check_move_rows, "the compaction copy kernel vs index_copy_"),
                               ("pdl", check_pdl, "programmatic dependent launch vs plain launches"),
-                              ("l2_warm", check_l2_warm, "the next weights warmed into L2 beside attention vs not"),
-                              ("skip_empty", check_skip_empty, "the attention skipping empty splits vs not")):
+                              ("l2_warm", check_l2_warm, "the next weights warmed into L2 beside attention vs not")):
         if cuda and "checks" not in skip and name in checks:
             try:
                 result[f"{name}_check"] = check()

@@ -8,7 +8,7 @@ Input: the JSON of a run whose step section timed "triton" (the defaults) and va
   argmax as the separate RoPE launch; MOVE_ROWS_KERNEL: the cache equal to index_copy_'s;
   TREE_SPLIT: relative error < 1e-2 against float64, as the default kernel's check; PDL and TRIGGER:
   the same decisions and bit-identical logits as plain launches, with every trigger place; L2_WARM: the
-  same against no warming; SKIP_EMPTY_SPLITS: the same against the plain attention), and
+  same against no warming), and
 - its graph replay is at least MIN_GAIN faster than the default's in some cell and at most
   MAX_LOSS slower in every cell (replay, not the host clock: the host adds noise the GPU does not;
   `replay_rr_ms` where the run has it: every variant's graph of a cell replayed round-robin, so that
@@ -56,9 +56,6 @@ def check_passed(result: dict, knob: str, value: int) -> tuple[bool, str]:
         c = result.get("tree_split_check_rel_err") or {}
         ok = bool(c) and all(isinstance(v, float) and v < 1e-2 for v in c.values())
         return ok, f"tree_split_check_rel_err {c}"
-    if knob == "SKIP_EMPTY_SPLITS":
-        c = result.get("skip_empty_check") or {}
-        return bool(c.get("same_decisions")) and bool(c.get("bit_identical_logits")), f"skip_empty_check {c}"
     if knob in ("PDL", "TRIGGER", "L2_WARM"):
         name = "l2_warm_check" if knob == "L2_WARM" else "pdl_check"
         c = result.get(name) or {}

@@ -119,8 +119,7 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
                      D: tl.constexpr, BS: tl.constexpr,
                      NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      M_FIRST: tl.constexpr, TREE_SPLIT: tl.constexpr, OFF32: tl.constexpr, GDC: tl.constexpr,
-                     EARLY_INDEX: tl.constexpr, PREFETCH_KEYS: tl.constexpr, LINE_ELEMS: tl.constexpr,
-                     SKIP_EMPTY: tl.constexpr):
+                     EARLY_INDEX: tl.constexpr, PREFETCH_KEYS: tl.constexpr, LINE_ELEMS: tl.constexpr):
     if not EARLY_INDEX:
         gdc_enter(GDC)
     if M_FIRST:   # the query tiles of one (sequence, KV head) side by side: they read the same K/V
@@ -158,8 +157,6 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
     g = rows % G
     d = tl.arange(0, D)
     q_ptr = Q + ((b * T + t) * H_Q + h * G + g)[:, None] * D + d[None, :]
-    if SKIP_EMPTY:   # a split past the sequence's keys (the bucket's splits cover its widest table) writes nothing
-        row_ok = row_ok & (start < end)
     q = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -212,13 +209,11 @@ def _tree_attn_split(Q, KV, Tables, Ctx, Bits, Acc, M, L, O,
 
 
 @triton.jit
-def _tree_attn_merge(Acc, M, L, O, Ctx, T, G, MT,
+def _tree_attn_merge(Acc, M, L, O, T, G, MT,
                      H_Q: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr,
-                     SPLITS_P2: tl.constexpr, ROWS: tl.constexpr, GDC: tl.constexpr, SKIP_EMPTY: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
+                     SPLITS_P2: tl.constexpr, ROWS: tl.constexpr, GDC: tl.constexpr):
     """One program per (sequence, KV head) and ROWS query rows: every split's partial result is loaded in
-    one go (no loop of dependent loads: a merge is latency-bound, not bandwidth-bound). SKIP_EMPTY: only the
-    splits that had keys (the split kernel's division of the sequence's ctx + T keys into BLOCK_N tiles)."""
+    one go (no loop of dependent loads: a merge is latency-bound, not bandwidth-bound)."""
     gdc_enter(GDC)
     pid_bh = tl.program_id(0)
     row = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
@@ -226,12 +221,7 @@ def _tree_attn_merge(Acc, M, L, O, Ctx, T, G, MT,
     b = pid_bh // H_KV
     h = pid_bh % H_KV
     sp = tl.arange(0, SPLITS_P2)
-    if SKIP_EMPTY:
-        tiles = tl.cdiv(tl.load(Ctx + b).to(tl.int32) + T, BLOCK_N)
-        used = tl.cdiv(tiles, tl.cdiv(tiles, NSPLIT))
-        ok = row_ok[:, None] & (sp < used)[None, :]
-    else:
-        ok = row_ok[:, None] & (sp < NSPLIT)[None, :]
+    ok = row_ok[:, None] & (sp < NSPLIT)[None, :]
     d = tl.arange(0, D)
     base = (pid_bh * NSPLIT + sp)[None, :] * MT + row[:, None]                       # [ROWS, SPLITS]
     m = tl.load(M + base, mask=ok, other=float("-inf"))
@@ -273,10 +263,6 @@ class TritonPagedAttention:
                             # round-robin: 8 rows at every row count made 8 x 64 1.4 % faster but 1 x 1 2.6 %, 4 x 1
                             # 6.7 % and 1 x 64 0.6 % slower (a program holds SPLITS x ROWS partial rows: T = 1 has 32
                             # splits)
-    SKIP_EMPTY_SPLITS = 0   # 1: splits past a sequence's keys (a shape bucket's split count serves its widest table:
-                            # at context 1 024 in the 2 048-key bucket 15 of T = 1's 32 splits and 4 of T = 64's 16 are
-                            # empty) load no query and write no partials, and the merge reads only the others
-                            # (not with TREE_SPLIT). Off until measured (thirty-fifth session)
     TREE_SPLIT = 0          # 1: one more split that takes the tree's (masked) keys alone, so that the context's
                             # programs run unmasked tiles only and the tree tile's unpipelined loads overlap them.
                             # Off: on the H200 (2026-12-02, docs/BENCHMARKS.md ninth session) steps were up to 4.6 %
@@ -367,7 +353,6 @@ class TritonPagedAttention:
         gdc = pdl.launch_args(q.device, B * T)
         early = bool(gdc["GDC"] and (self.EARLY_INDEX or self.PREFETCH_KEYS))   # only where there is a wait
         prefetch = triton.next_power_of_2(self.PREFETCH_KEYS) if early and self.PREFETCH_KEYS else 0
-        skip_empty = bool(self.SKIP_EMPTY_SPLITS and ns > 1 and not self.TREE_SPLIT)
         launch_fitting(   # (fewer stages where a smaller GPU's shared memory cannot hold the tiles' pipeline)
             _tree_attn_split, grid, q, cache, self.tables, self.ctx, self.bits, acc, m, l_, out,
             1.0 / math.sqrt(D), cache.stride(0), self.tables.shape[1], T, G, W, MT,
@@ -377,11 +362,10 @@ class TritonPagedAttention:
             INTERPRET=INTERPRET, H_Q=Hq, H_KV=Hkv, D=D, BS=self.block_size, NSPLIT=ns, BLOCK_M=block_m, BLOCK_N=block_n,
             M_FIRST=bool(self.M_FIRST), TREE_SPLIT=bool(self.TREE_SPLIT), OFF32=cache.numel() < 2 ** 31,
             EARLY_INDEX=early, PREFETCH_KEYS=prefetch, LINE_ELEMS=128 // cache.element_size(),
-            SKIP_EMPTY=skip_empty, num_warps=self.NUM_WARPS, num_stages=stages, **gdc)
+            num_warps=self.NUM_WARPS, num_stages=stages, **gdc)
         if ns > 1:
             rows = self.merge_rows(B * T)
             _tree_attn_merge[(B * Hkv, triton.cdiv(MT, rows))](
-                acc, m, l_, out, self.ctx, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns,
-                SPLITS_P2=triton.next_power_of_2(ns), ROWS=rows, SKIP_EMPTY=skip_empty, BLOCK_N=block_n,
-                num_warps=max(1, min(4, rows // 2)), **gdc)
+                acc, m, l_, out, T, G, MT, H_Q=Hq, H_KV=Hkv, D=D, NSPLIT=ns, SPLITS_P2=triton.next_power_of_2(ns),
+                ROWS=rows, num_warps=max(1, min(4, rows // 2)), **gdc)
         return out

@@ -625,7 +625,7 @@ def test_the_critical_path_charges_each_kernel_what_it_adds_to_the_chains_end():
     """tools/bench_gpu_verify.critical_path: with PDL a kernel starts early and waits, so each is charged only
     what it moves the chain's end (here the second matmul of a layer overlaps the first and adds 2 us);
     launches are labelled by their place in a layer, the one before layer 0 as #pre; side-stream warming
-    is set apart; replays average."""
+    is set apart; replays average, the first one (the profiler starting up) left out."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     from bench_gpu_verify import critical_path
 

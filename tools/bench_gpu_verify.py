@@ -1164,8 +1164,9 @@ def critical_path(kernels: list[tuple[str, float, float]], steps: int, layers: i
 
 def profile_steps(args, config: ModelConfig, dtype) -> list[dict]:
     """Where a replayed step's time goes: each kernel's mean time per step (CUPTI through
-    torch.profiler, 20 replays) for a few (B, T) cells, and the gap (replay time minus the sum of
-    kernel times: launch and dependency stalls between graph nodes)."""
+    torch.profiler, 20 replays) for a few (B, T) cells, the gap (replay time minus the sum of
+    kernel times: launch and dependency stalls between graph nodes), and each kernel's share of the
+    step's critical path (critical_path: with PDL the kernels overlap, so their times do not add up)."""
     from torch.profiler import ProfilerActivity, profile
 
     device = torch.device(args.device)

@@ -95,10 +95,9 @@ case $phase in
     # L2_WARM_ROWS=128, or wqkv and wo alone) 3-9 % slower than cuBLAS at 128 rows (4 x 32, 8 x 16): not adopted. The
     # thirty-fifth session's: more warming beside the MLP (the next wqkv beside w2, w2 beside gate/up) and evict-last
     # warmed lines lost in every <= 64-row cell (+1 to +7 %, H100); wqkv with K split at 17-64 rows, RoPE summing the
-    # partials (+0.6 to +1.6 %), and the attention skipping empty splits (up to +1.2 %) lost too: all removed. Ready, not
-    # yet measured (twenty-seventh session: no GPU lent): the attention reading its lengths and block ids, and asking L2
-    # for context K/V, before its PDL wait: --checks pdl --batches 1,8 --attention
-    # 'triton,triton!EARLY_INDEX=1,triton!PREFETCH_KEYS=128,triton!PREFETCH_KEYS=512' (docs/BENCHMARKS.md). Otherwise the
+    # partials (+0.6 to +1.6 %), and the attention skipping empty splits (up to +1.2 %) lost too: all removed. The
+    # twenty-seventh session's knobs, the attention reading its lengths and block ids and asking L2 for context K/V
+    # before its PDL wait (EARLY_INDEX, PREFETCH_KEYS), measured in the twenty-ninth: no gain, off. Otherwise the
     # phase times the defaults; add a variant as 'triton,triton!KNOB=V' (with the pdl check for PDL or TRIGGER,
     # l2_warm for L2_WARM).
     EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,capacity,mixed,hf,matmuls \

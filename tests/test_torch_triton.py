@@ -642,6 +642,7 @@ def test_the_critical_path_charges_each_kernel_what_it_adds_to_the_chains_end():
     assert path["chain_us"] == {"mm#0": 20, "head": 5, "mm#1": 4, "norm#0": 2, "norm#pre": 1}
     assert path["busy_us"]["mm#1"] == 22 and path["beside_us"] == 60
     assert path["first_replay_ends"][:2] == [("norm", 0, 1), ("mm", 1, 11)] and path["first_replay_ends"][-1] == ("head", 27, 32)
+    assert path["middle_layer"] == [("mm#0", 0, 10, 10), ("mm#1", 1, 12, 2), ("norm#0", 12, 13, 1)]   # layer 1, in order
     with pytest.raises(ValueError, match="replays"):
         critical_path(replay(0.0)[:-1] + replay(100.0), steps=2, layers=2, beside=frozenset({"warm"}))
     # the first replay under the profiler waits before its first kernel (CUPTI starting up): left out by default

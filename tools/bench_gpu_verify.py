@@ -1122,7 +1122,9 @@ def critical_path(kernels: list[tuple[str, float, float]], steps: int, layers: i
     and which of its launches in a layer it is (`_linear_rows_kernel#2`: the third of the layer's), from its
     launch count per step over `layers` layers; launches beyond whole layers come first (`#pre`: the first
     RMSNorm before layer 0's). The first `skip` replays are left out: under the profiler the first one waits
-    ~0.3-0.5 ms between its input copy and its first kernel (CUPTI starting up; H100, thirty-fifth session)."""
+    ~0.3-0.5 ms between its input copy and its first kernel (CUPTI starting up; H100, thirty-fifth session).
+    `middle_layer`: the first kept replay's kernels of layer `layers // 2` in start order (label, start and end
+    from the layer's first start, charge), to see which node sits between which (a memset before a GEMM, say)."""
     main = sorted((k for k in kernels if k[0] not in beside), key=lambda k: k[1])
     if not main or len(main) % steps:
         raise ValueError(f"{len(main)} main-chain kernels do not split into {steps} replays")
@@ -1140,6 +1142,7 @@ def critical_path(kernels: list[tuple[str, float, float]], steps: int, layers: i
             counts[name] = counts.get(name, 0) + 1
         seen: dict[str, int] = {}
         chain_end = step[0][1]
+        middle = []
         for name, start, end in step:
             k = seen.get(name, 0)
             seen[name] = k + 1
@@ -1148,6 +1151,8 @@ def critical_path(kernels: list[tuple[str, float, float]], steps: int, layers: i
                 label = name if counts[name] == 1 else f"{name}#{k}"
             else:
                 label = f"{name}#pre" if k < extra else f"{name}#{(k - extra) % per_layer}"
+                if k >= extra and (k - extra) // per_layer == layers // 2:
+                    middle.append((label, start, end, max(0.0, end - chain_end)))
             charged[label] = charged.get(label, 0.0) + max(0.0, end - chain_end) / kept
             busy[label] = busy.get(label, 0.0) + (end - start) / kept
             chain_end = max(chain_end, end)
@@ -1155,11 +1160,14 @@ def critical_path(kernels: list[tuple[str, float, float]], steps: int, layers: i
         if r == skip:   # the first kept replay's ends, where a step's fixed costs are (copies in, prepare, accept)
             t0 = step[0][1]
             ends = [(n[:40], round(a - t0, 2), round(b - t0, 2)) for n, a, b in step[:8] + step[-6:]]
+            m0 = middle[0][1] if middle else 0.0
+            layer = [(n[:60], round(a - m0, 2), round(b - m0, 2), round(c, 2)) for n, a, b, c in middle]
     side = [k for k in kernels if k[0] in beside and k[1] >= main[skip * per_step][1]]
     return {"span_us": sum(spans) / kept, "kernels_per_step": per_step, "replays": kept,
             "chain_us": {k: round(v, 2) for k, v in sorted(charged.items(), key=lambda kv: -kv[1])},
             "busy_us": {k: round(v, 2) for k, v in busy.items()},
-            "beside_us": round(sum(e - s for _, s, e in side) / kept, 2), "first_replay_ends": ends}
+            "beside_us": round(sum(e - s for _, s, e in side) / kept, 2), "first_replay_ends": ends,
+            "middle_layer": layer}
 
 
 def profile_steps(args, config: ModelConfig, dtype) -> list[dict]:
@@ -1220,6 +1228,8 @@ def profile_steps(args, config: ModelConfig, dtype) -> list[dict]:
             log(f"    {us:9.2f} us on the chain, {path['busy_us'][label]:9.2f} us busy  {label}")
         for name, start, end in path.get("first_replay_ends", []):
             log(f"    {start:9.2f} -> {end:9.2f} us  {name}")
+        for name, start, end, charge in path.get("middle_layer", []):
+            log(f"    layer {config.n_layer // 2}: {start:8.2f} -> {end:8.2f} us (+{charge:6.2f})  {name}")
         for s in seqs:
             s.close()
     return rows

@@ -42,10 +42,11 @@ ls edgespec/v1/*_pb2.py >/dev/null || { echo "edgespec/v1 has no generated stubs
 tracked=$(git ls-files -z | xargs -0 cat | wc -c)
 piece=$(( (60 << 20) - tracked ))
 [ "$piece" -gt $((16 << 20)) ] || { echo "the tracked tree ($tracked bytes) leaves too little of a call for GGUF pieces" >&2; exit 2; }
-mkdir -p .stage && rm -f .stage/*.part*
-for name in qwen2.5-coder-1.5b-instruct-q4_k_m.gguf qwen2.5-coder-0.5b-instruct.gguf; do
+mkdir -p .stage && rm -f .stage/*
+for name in qwen2.5-coder-1.5b-instruct-q4_k_m.gguf:t qwen2.5-coder-0.5b-instruct.gguf:d; do
+  short=${name##*:}; name=${name%:*}
   split -b "$piece" -d -a 2 "$HOME_DIR/models/$name" ".stage/$name.part"
-  echo "$name: $(ls .stage/"$name".part* | wc -l) pieces, sha256 $(sha256sum "$HOME_DIR/models/$name" | cut -c1-8)…"
+  for p in .stage/"$name".part*; do ln "$p" ".stage/$short${p##*.part}"; done   # short names: t00.., d00..
+  echo "$name: $(ls .stage/"$name".part* | wc -l) pieces (${short}00..), sha256 $(sha256sum "$HOME_DIR/models/$name" | cut -c1-8)…"
 done
-echo "each call: carry [\".stage/NAME.partNN\"], command: mkdir -p /tmp/stage && cat .stage/NAME.partNN >> /tmp/stage/NAME"
-echo "(the first call starts with rm -rf /tmp/stage: a machine kept from an earlier run may hold a partial copy)"
+echo "each call: carry [\".stage/t03\"], command: bash tools/gpu_stage_piece.sh t03 (t00, d00 start their file afresh)"

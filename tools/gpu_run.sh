@@ -16,7 +16,8 @@
 #
 # Results go to $OUT (JSON, one file per tool). tools/gpu_prepare.sh makes what the calls carry: the wheels the GPU
 # image lacks (.whl), gpt-fast's model and step script (.gptfast) and the GGUFs in pieces (.stage). Before `real`, stage
-# the target GGUF under $STAGE, before `e2e` the draft too, one piece per call; the generated protobuf stubs travel as
+# the target GGUF under $STAGE, before `e2e` the draft too, one piece per call (tools/gpu_stage_piece.sh t00 .. t21,
+# d00 .. d09, each call carrying its .stage/ piece); the generated protobuf stubs travel as
 # `edgespec/v1` (see docs/BENCHMARKS.md for the exact calls);
 # the tokenized prompts (tools/make_gpu_prompts.py) and the recorded drafts (bench_tau.py --humaneval 14
 # --spec-bench-prompts 14 --max-tokens 128 --configs model+lookup --record-trees) are tracked in tools/data/.

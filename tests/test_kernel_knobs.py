@@ -56,6 +56,17 @@ def test_environment_variable_is_applied_when_the_engine_is_imported():
     assert out.split("\n")[0] == "1 1 [('GEMV_ROPE', 1), ('MOVE_ROWS_KERNEL', 1)]"
 
 
+def test_importing_the_engine_runs_cublas_without_a_workspace_unless_the_environment_says_otherwise():
+    """engine.CUBLAS_WORKSPACE: no cuBLAS workspace, so no memset node before the many-row GEMMs of a step's graph;
+    an operator's own CUBLAS_WORKSPACE_CONFIG wins (cuBLAS reads it once, so it is set before any GPU work)."""
+    code = "import os; from edgespec.verifier.torch import engine; print(os.environ['CUBLAS_WORKSPACE_CONFIG'])"
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    run = lambda e: subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True,  # noqa: E731
+                                   check=True).stdout.strip()
+    assert run(env) == ":0:2"
+    assert run({**env, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}) == ":4096:8"
+
+
 def test_verifier_serve_exits_2_naming_a_bad_knob(smol_path):
     env = {**os.environ, knobs.ENV: "GEMV_ROPE=x"}
     r = subprocess.run([sys.executable, "-m", "edgespec", "verifier", "serve", "--backend", "torch", "--model",

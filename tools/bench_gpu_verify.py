@@ -48,6 +48,7 @@ import contextlib
 import datetime
 import json
 import math
+import os
 import re
 import statistics
 import sys
@@ -1332,7 +1333,7 @@ def main() -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
         "cuda": torch.version.cuda, "argv": sys.argv[1:], "kernel_knobs_from_env": kernel_knobs.FROM_ENV,
-        "kernel_knobs": kernel_knobs.current()}}
+        "kernel_knobs": kernel_knobs.current(), "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}}
     try:
         import triton
         result["meta"]["triton"] = triton.__version__

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 import torch
@@ -60,6 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="512")
     ap.add_argument("--out", default="")
+    ap.add_argument("--only", default="", help="run the variants whose name contains this")
     args = ap.parse_args()
     dev, bf = "cuda", torch.bfloat16
     d, f, q, layers = 1536, 8960, 2048, 28
@@ -74,8 +76,28 @@ def main() -> None:
         h = torch.randn(rows, d, device=dev, dtype=bf)
         act = torch.randn(rows, f, device=dev, dtype=bf)
         h2 = h.expand(2, rows, d)
+        zero_bias = torch.zeros(2 * f, device=dev, dtype=bf)
+        out = torch.empty(rows, 2 * f, device=dev, dtype=bf)
+
+        def pieces(n: int) -> list:
+            step = rows // n
+            return [torch.mm(h[i:i + step], w.t(), out=out[i:i + step]) for w in w13 for i in range(0, rows, step)]
+
+        def lt(fn):
+            def run():
+                torch.backends.cuda.preferred_blas_library("cublaslt")
+                try:
+                    return fn()
+                finally:
+                    torch.backends.cuda.preferred_blas_library("default")
+            return run
+
         variants = {
             "gate/up F.linear": lambda: [F.linear(h, w) for w in w13],
+            "gate/up F.linear + zero bias": lambda: [F.linear(h, w, zero_bias) for w in w13],
+            "gate/up 2 row halves": lambda: pieces(2),
+            "gate/up 4 row quarters": lambda: pieces(4),
+            "gate/up F.linear, cublaslt preferred": lt(lambda: [F.linear(h, w) for w in w13]),
             "gate/up mm(h, w.T)": lambda: [torch.mm(h, w.t()) for w in w13],
             "gate/up bmm of 2 halves": lambda: [torch.bmm(h2, w.view(2, f, d).transpose(1, 2)) for w in w13],
             "gate/up mm(w, h.T) (transposed out)": lambda: [torch.mm(w, h.t()) for w in w13],
@@ -86,6 +108,8 @@ def main() -> None:
             "LM head float32 out (x1)": lambda: torch.mm(h, head.t(), out_dtype=torch.float32),
         }
         for name, fn in variants.items():
+            if args.only not in name:
+                continue
             g = graph_of(fn)
             ms = replay_ms(g)
             ks = kernels_of(g)
@@ -97,7 +121,9 @@ def main() -> None:
             del g
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": results}, fh, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "env": {k: v for k, v in os.environ.items() if "CUBLAS" in k or "BLAS" in k}, "rows": results},
+                      fh, indent=1)
 
 
 if __name__ == "__main__":

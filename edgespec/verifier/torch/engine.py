@@ -38,6 +38,7 @@ exercise everything but the graph capture and the Triton kernel.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, NamedTuple, Sequence
 
@@ -53,6 +54,16 @@ from edgespec.common.rng import residual_uniforms
 from edgespec.verifier.torch import knobs  # noqa: F401 - importing it applies $EDGESPEC_KERNEL_KNOBS, once
 from edgespec.verifier.torch import tree_ops
 from edgespec.verifier.torch.tree_attention import TorchPagedAttention, ancestor_mask, chain_parents, depths
+
+CUBLAS_WORKSPACE = ":0:2"
+"""cuBLAS's workspace for this process (CUBLAS_WORKSPACE_CONFIG, set on import unless the environment already sets
+it; cuBLAS reads it once, at its first call). None: cuBLAS's default. With a workspace, cuBLAS 13 runs the gate/up
+GEMM at 512 rows (B = 8, T = 64) and the float32 LM head as cooperative kernels that zero their workspace with a
+memset node first; in a step's graph each such GEMM then started ~6.5 us after the norm before it, against ~0.5 for
+the others. Without one it picks their statically scheduled variants (`ssched`, no memset). H100, thirty-sixth
+session (docs/BENCHMARKS.md), steps timed in alternating processes: 8 x 64 -1.9 to -2.0 %, other cells level."""
+if CUBLAS_WORKSPACE is not None:
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
 
 GREEDY, SAMPLE, SAMPLE_TRUNCATED = 0, 1, 2   # device decision modes (graph variants)
 TARGET_SAMPLE = "target-sample"   # common.sampling.AcceptanceRule.TARGET_SAMPLE's value

@@ -360,8 +360,10 @@ def check_pdl() -> dict:
 
 def check_l2_warm() -> dict:
     """fused.L2_WARM (a side stream asks L2 for the next weights while attention runs) against none, at every
-    row count: the graphs fork and rejoin, the warming reads weights only."""
-    return same_steps_under([{"L2_WARM": 0}] + [{"L2_WARM": mb, "L2_WARM_ROWS": 1 << 20} for mb in (8, 32)])
+    row count, also with the main chain captured above the warming's priority (WARM_BELOW_MAIN): the graphs fork
+    and rejoin, the warming reads weights only."""
+    return same_steps_under([{"L2_WARM": 0}] + [{"L2_WARM": mb, "L2_WARM_ROWS": 1 << 20} for mb in (8, 32)]
+                            + [{"L2_WARM_ROWS": 1 << 20, "WARM_BELOW_MAIN": 1}])
 
 
 def check_compaction() -> dict:

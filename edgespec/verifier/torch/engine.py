@@ -520,7 +520,7 @@ class Engine:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream()):
                 out, logits = self._step(st, B, T, NB, mode)
             entry = graphs[gkey] = (graph, out, logits)
             self.stats["captures"] += 1
@@ -529,6 +529,15 @@ class Engine:
         self.stats["replays"] += 1
         st.out, st.logits = out, logits
         return out
+
+    def _capture_stream(self) -> torch.cuda.Stream | None:
+        """The stream a step's graph is captured on (None: torch's own). With fused.WARM_BELOW_MAIN a high-priority
+        one, which the graph's main-chain kernel nodes keep as their priority (torch instantiates with
+        cudaGraphInstantiateFlagUseNodePriority) above the warming side stream's default one."""
+        from edgespec.verifier.torch import fused
+        if not (self.fused and fused.WARM_BELOW_MAIN):
+            return None
+        return torch.cuda.Stream(self.device, priority=-1)
 
     @torch.no_grad()   # here, not on verify: a replayed graph needs no autograd state (1.7-3.2 us a step, H100 host)
     def _step(self, st: _Static, B: int, T: int, NB: int, mode: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -884,6 +884,9 @@ L2_WARM = 32      # MB of a layer's next weights that a side stream asks L2 for 
 L2_WARM_ROWS = 64  # ... for steps of at most this many token rows. 16 until the twenty-fourth session: with wqkv on
                    # linear_rows at 17-64 rows (every kernel of a layer in one PDL chain) warming there paid too
                    # (1 x 64 -4.2 % with both, against -1.4 % for the matmul alone; budgets 16 / 24 / 48 MB slower)
+WARM_BELOW_MAIN = 0   # 1: the engine captures a step's graph on a high-priority stream, so the main chain's kernel
+                      # nodes outrank the warming side stream's (torch instantiates graphs with node priorities) where
+                      # both wait for SMs: the warming then fills what the chain leaves instead of delaying it
 WARM_ROWS_PER_PROGRAM = 128   # rows (one bulk prefetch each) per program of the warming kernel; 1024 (fewer,
                               # longer programs) was 3-7 % slower at 1 x 1, 1 x 16 and 8 x 1 (H200, 2026-12-03)
 

@@ -98,7 +98,10 @@ case $phase in
     # warmed lines lost in every <= 64-row cell (+1 to +7 %, H100); wqkv with K split at 17-64 rows, RoPE summing the
     # partials (+0.6 to +1.6 %), and the attention skipping empty splits (up to +1.2 %) lost too: all removed. The
     # twenty-seventh session's knobs, the attention reading its lengths and block ids and asking L2 for context K/V
-    # before its PDL wait (EARLY_INDEX, PREFETCH_KEYS), measured in the twenty-ninth: no gain, off. Otherwise the
+    # before its PDL wait (EARLY_INDEX, PREFETCH_KEYS), measured in the twenty-ninth: no gain, off. The thirty-sixth
+    # session's: cuBLAS without a workspace (engine.CUBLAS_WORKSPACE; per process, so A/B'd in alternating processes:
+    # 8 x 64 -2 %) adopted; WARM_BELOW_MAIN=1 (the chain captured above the warming's priority) built, not yet
+    # measured: add 'triton!WARM_BELOW_MAIN=1' with --checks l2_warm. Otherwise the
     # phase times the defaults; add a variant as 'triton,triton!KNOB=V' (with the pdl check for PDL or TRIGGER,
     # l2_warm for L2_WARM).
     EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,capacity,mixed,hf,matmuls \

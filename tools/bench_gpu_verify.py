@@ -1154,7 +1154,7 @@ def critical_path(kernels: list[tuple[str, float, float]], steps: int, layers: i
                 label = name if counts[name] == 1 else f"{name}#{k}"
             else:
                 label = f"{name}#pre" if k < extra else f"{name}#{(k - extra) % per_layer}"
-                if k >= extra and (k - extra) // per_layer == layers // 2:
+                if r == skip and k >= extra and (k - extra) // per_layer == layers // 2:
                     middle.append((label, start, end, max(0.0, end - chain_end)))
             charged[label] = charged.get(label, 0.0) + max(0.0, end - chain_end) / kept
             busy[label] = busy.get(label, 0.0) + (end - start) / kept

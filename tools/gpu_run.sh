@@ -21,9 +21,11 @@
 # `edgespec/v1` (see docs/BENCHMARKS.md for the exact calls);
 # the tokenized prompts (tools/make_gpu_prompts.py) and the recorded drafts (bench_tau.py --humaneval 14
 # --spec-bench-prompts 14 --max-tokens 128 --configs model+lookup --record-trees) are tracked in tools/data/.
-# A lent machine that idles 30 s is given back: send the staging calls in the same batch as the call before them (the
-# thirty-fifth session lost an H200 while composing them after `verifier`), and where only one card will do, begin each
-# with `nvidia-smi -L | grep -q H200 || exit 0` so that on another card the batch costs seconds, not the phases.
+# A lent machine that idles 30 s is given back (the thirty-fifth session lost an H200 while composing the staging
+# calls after `verifier`), and calls batched behind one whose machine failed to start are each refused at a cost
+# (thirty-sixth session): send the staging batch right after a call that got its machine; gpu_stage_piece.sh calls are
+# short to write and skip themselves on a card other than an H200, and where only one card will do, begin the phases
+# with `nvidia-smi -L | grep -q H200 || exit 0` too, so that on another card a batch costs seconds.
 # The host's copy of the checkout may carry a stale git HEAD: pass the commit as CODE_REV=<sha> (bench_link
 # records it).
 set -uo pipefail

@@ -10,37 +10,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-
-def graph_of(fn, warm: int = 2) -> torch.cuda.CUDAGraph:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warm):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
-def replay_ms(g: torch.cuda.CUDAGraph, iters: int = 30) -> float:
-    times = []
-    for _ in range(5):
-        g.replay()
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+# cuBLAS's own workspace unless the caller names one: importing bench_gpu_verify imports the engine, whose
+# CUBLAS_WORKSPACE would otherwise apply (:4096:8 is torch's default on Hopper, the GPUs this probe is for)
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu_verify import captured, cuda_ms  # noqa: E402 - the GPU benchmarks' graph capture and timing
 
 
 def kernels_of(g: torch.cuda.CUDAGraph) -> dict[str, int]:
@@ -110,8 +90,8 @@ def main() -> None:
         for name, fn in variants.items():
             if args.only not in name:
                 continue
-            g = graph_of(fn)
-            ms = replay_ms(g)
+            g = captured([fn])
+            ms = cuda_ms(g.replay, 5, 30)
             ks = kernels_of(g)
             memsets = sum(n for k, n in ks.items() if "emset" in k)
             row = {"rows": rows, "variant": name, "replay_ms": round(ms, 4), "memsets": memsets, "kernels": ks}

@@ -232,6 +232,89 @@ def test_linear_silu_equals_matmul_then_silu_mul(rows):
         fused.linear_silu(x, w, config=(8, 16, 2, 4, 2))
 
 
+@pytest.mark.parametrize("rows", [2, 5, 16])
+def test_residual_in_the_matmul_and_norm_in_the_next_equal_add_rmsnorm(rows):
+    """FUSED_NORMS's two halves against the add_rmsnorm path, float32: linear_rows_residual adds x @ W^T to the
+    residual in place as add_rmsnorm adds linear_rows_partials' output (K in 1, 2 or 3 slices; a column share of
+    a whole tile and a ragged one with a tail tile) and returns each column block's sums of squares of the new
+    residual; linear_silu and linear_rope_store with that Norm equal them on add_rmsnorm's normalised output. The
+    column blocks' arrival counters are left at zero for the next launch."""
+    from edgespec.verifier.torch import fused
+
+    g = torch.Generator().manual_seed(70 + rows)
+    d, k_in, f = 48, 40, 24
+    for cfg in [(16, 16, 1, 4, 2), (16, 16, 3, 4, 2), (20, 16, 2, 4, 2)]:
+        res = torch.randn(rows, d, generator=g)
+        att = torch.randn(rows, k_in, generator=g)
+        wo = torch.randn(d, k_in, generator=g) / k_in ** 0.5
+        nw = torch.rand(d, generator=g) + 0.5
+        h_ref, x_ref = fused.add_rmsnorm_torch(res.clone(), fused.linear_rows_partials_torch(att, wo), nw, 1e-6)
+        x = res.clone()
+        squares = fused.linear_rows_residual(att, wo, x, config=cfg)
+        blocks = -(-d // cfg[0])
+        assert squares.shape == (blocks, rows) and squares.dtype == torch.float32
+        assert torch.allclose(x, x_ref, atol=1e-5)
+        assert torch.allclose(squares.sum(0), (x_ref * x_ref).sum(1), rtol=1e-5)
+        assert not fused._tickets(x.device, blocks)[:blocks].any()
+        norm = fused.Norm(squares, nw, 1e-6)
+        assert torch.allclose(fused.norm_from_squares_torch(x, norm), h_ref, atol=1e-5)
+        w13 = torch.randn(2 * f, d, generator=g) / d ** 0.5
+        assert torch.allclose(fused.linear_silu(x, w13, config=(8, 16, 1, 4, 2), norm=norm),
+                              fused.linear_silu_torch(h_ref, w13), atol=1e-5)
+        n_head, n_head_kv, D = 2, 1, 8
+        wqkv = torch.randn((n_head + 2 * n_head_kv) * D, d, generator=g) / d ** 0.5
+        b = torch.randn(wqkv.shape[0], generator=g)
+        ang = torch.rand(rows, D // 2, generator=g) * 6.0
+        slots = torch.randperm(20, generator=g)[:rows]
+        caches = [torch.zeros(2, 20, n_head_kv, D) for _ in range(2)]
+        q_ref = fused.linear_rope_store_torch(h_ref, wqkv, b, ang.cos(), ang.sin(), caches[0], slots, n_head, n_head_kv)
+        q = fused.linear_rope_store(x, wqkv, b, ang.cos(), ang.sin(), caches[1], slots, n_head, n_head_kv, norm=norm)
+        assert torch.allclose(q, q_ref, atol=1e-5) and torch.allclose(caches[1], caches[0], atol=1e-5)
+    ref_squares = fused.linear_rows_residual_torch(att, wo, res.clone(), blocks=3)
+    assert torch.allclose(ref_squares.sum(0), (x_ref * x_ref).sum(1), rtol=1e-5)
+    with pytest.raises(ValueError, match="rows kernel"):
+        fused.linear_rows_residual(att[:1], wo, res[:1].clone())   # one row is the GEMV's
+    with pytest.raises(ValueError, match="residual"):
+        fused.linear_rows_residual(att, wo, res[:, :-1].clone())
+
+
+@pytest.mark.parametrize("fused_norms", [1, 2, 3])
+def test_fused_forward_with_norms_inside_the_matmuls_equals_without(monkeypatch, fused_norms):
+    """The fused forward with FUSED_NORMS (the norm after wo inside wo and gate/up: bit 1; after w2 inside w2 and
+    the next wqkv: bit 2) against add_rmsnorm's launches: tiny float32 model, linear_rows for every matmul (wo and
+    w2 with K split), a 13-token prefill chunk and a 5-node tree step; add_rmsnorm then runs only where no
+    matmul takes it (the first norm, the final one, and the norms bit 1 or 2 leaves)."""
+    from edgespec.verifier.torch import fused
+    from edgespec.verifier.torch.engine import Engine
+    from edgespec.verifier.torch.model import ModelConfig, TransformerLM
+
+    c = ModelConfig.tiny("qwen2")
+    qkv = (c.n_head + 2 * c.n_head_kv) * c.head_dim
+    monkeypatch.setattr(fused, "LINEAR_ROWS_TABLE", {
+        (qkv, c.d_model): [(64, (16, 32, 1, 4, 2))], (c.d_model, c.n_head * c.head_dim): [(64, (16, 16, 2, 4, 2))],
+        (2 * c.d_ff, c.d_model): [(64, (32, 32, 1, 4, 2))], (c.d_model, c.d_ff): [(64, (24, 32, 3, 4, 2))]})
+    norms = []
+    real = fused.add_rmsnorm
+    monkeypatch.setattr(fused, "add_rmsnorm", lambda *a: norms.append(1) or real(*a))
+    model = TransformerLM.random(c, dtype=torch.float32, seed=12)
+    prefix = np.random.default_rng(12).integers(0, 512, size=13).tolist()
+    tokens, parents = [5, 9, 11, 3, 7], [-1, 0, 0, 1, 1]
+    out = []
+    for on in (0, fused_norms):
+        monkeypatch.setattr(fused, "FUSED_NORMS", on)
+        norms.clear()
+        engine = Engine(model, num_blocks=16, block_size=4, attention="torch", fused=True, small_rows_matmul=64)
+        seq = engine.new_sequence()
+        engine.prefill(seq, prefix)
+        out.append((engine.logits(seq, tokens, parents), engine.cache.flat.clone(), len(norms)))
+    model.fused_ops, model.small_rows_matmul = False, 0
+    (l0, c0, n0), (l1, c1, n1) = out
+    assert torch.allclose(l0, l1, atol=1e-4), float((l0 - l1).abs().max())
+    assert torch.allclose(c0, c1, atol=1e-5)
+    per_step = {1: c.n_layer, 2: c.n_layer - 1, 3: 2 * c.n_layer - 1}[fused_norms]   # norms taken by the matmuls
+    assert n0 == 4 * c.n_layer + 1 and n1 == n0 - 2 * per_step   # prefill chunk (no final norm) and tree step
+
+
 def test_balanced_config_gives_every_sm_an_equal_share():
     """balanced_config on the H200's 132 SMs: the programs cover every output column once, at most one
     program per SM, and no program holds more than one column more than an equal share."""

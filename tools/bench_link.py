@@ -243,7 +243,7 @@ def make_sessions(draft: Path, target: Path, address: str, token: str, n_ctx: in
     from edgespec.edge.session import EdgeSession
 
     shapes = {"ar": TreeShape.target_only(), "adaptive": None, "router": None}
-    shapes |= {mode: TreeShape.chain(int(mode[5:])) for mode in modes if mode.startswith("chain")}
+    shapes |= {mode: TreeShape.from_label(mode) for mode in modes if mode.startswith("chain")}
     sessions = {}
     try:
         for mode in modes:

@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> dict:
     table = {tuple(p): r for p, r in zip(prompts, refs)}
     config = ContextConfig(n_ctx=args.n_ctx, max_tree_nodes=64, n_threads=args.threads)
     modes = args.modes.split(",")
-    shapes = {m: TreeShape.target_only() if m == "ar" else None if m.startswith("adaptive") else TreeShape.chain(int(m[5:]))
+    shapes = {m: TreeShape.target_only() if m == "ar" else None if m.startswith("adaptive") else TreeShape.from_label(m)
               for m in modes}
     if ("adaptive-ladder" in modes) != bool(args.ladder):
         raise SystemExit("--ladder and the adaptive-ladder mode go together")
@@ -201,15 +201,12 @@ def parse_ladder(spec: str) -> tuple:
     from edgespec.edge.drafting import TreeShape
     from edgespec.edge.planner import LADDER
 
-    known = {s.label: s for s in LADDER}
     shapes = []
     for label in spec.split(","):
-        if label.startswith("chain") and label[5:].isdigit():
-            shapes.append(TreeShape.chain(int(label[5:])))
-        elif label in known:
-            shapes.append(known[label])
-        else:
-            raise SystemExit(f"--ladder: unknown shape {label!r} (chainK or one of {', '.join(known)})")
+        try:
+            shapes.append(TreeShape.from_label(label, LADDER))
+        except ValueError as exc:
+            raise SystemExit(f"--ladder: {exc}") from None
     return tuple(shapes)
 
 

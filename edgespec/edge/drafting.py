@@ -64,6 +64,20 @@ class TreeShape:
         """Classic chain speculation with k drafted tokens."""
         return cls(budget=k, max_depth=k, branching=1, width=1)
 
+    @classmethod
+    def from_label(cls, label: str, known: "tuple[TreeShape, ...] | list[TreeShape]" = ()) -> "TreeShape":
+        """The shape a label names (label's inverse, for tools' --modes and --ladder): "target-only", "chainK" for
+        any K, or the label of one of `known`; a ValueError names the label otherwise."""
+        if label == "target-only":
+            return cls.target_only()
+        if label.startswith("chain") and label[5:].isdigit():
+            return cls.chain(int(label[5:]))
+        for shape in known:
+            if shape.label == label:
+                return shape
+        raise ValueError(f"unknown tree shape {label!r} (target-only, chainK"
+                         + "".join(f", {s.label}" for s in known) + ")")
+
     def __post_init__(self) -> None:
         if self.budget < 0 or min(self.max_depth, self.branching, self.width) < 1:
             raise ValueError(f"tree shape needs budget >= 0 and max_depth, branching, width >= 1: {self}")

@@ -43,7 +43,8 @@ tracked=$(git ls-files -z | xargs -0 cat | wc -c)
 piece=$(( (60 << 20) - tracked ))
 [ "$piece" -gt $((16 << 20)) ] || { echo "the tracked tree ($tracked bytes) leaves too little of a call for GGUF pieces" >&2; exit 2; }
 mkdir -p .stage && rm -f .stage/*
-for name in qwen2.5-coder-1.5b-instruct-q4_k_m.gguf:t qwen2.5-coder-0.5b-instruct.gguf:d; do
+source "$(dirname "$0")/gpu_models.sh"
+for name in "$TARGET_GGUF:t" "$DRAFT_GGUF:d"; do
   short=${name##*:}; name=${name%:*}
   split -b "$piece" -d -a 2 "$HOME_DIR/models/$name" ".stage/$name.part"
   for p in .stage/"$name".part*; do ln "$p" ".stage/$short${p##*.part}"; done   # short names: t00.., d00..

@@ -32,8 +32,9 @@ set -uo pipefail
 phase=${1:?usage: tools/gpu_run.sh experiments|verifier|real|capacity|e2e|ncu}
 OUT=$(mkdir -p "${OUT:-gpu_out}" && cd "${OUT:-gpu_out}" && pwd)
 STAGE=${STAGE:-/tmp/stage}
-TARGET=$STAGE/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
-DRAFT=$STAGE/qwen2.5-coder-0.5b-instruct.gguf
+source "$(dirname "$0")/gpu_models.sh"
+TARGET=$STAGE/$TARGET_GGUF
+DRAFT=$STAGE/$DRAFT_GGUF
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:. EDGESPEC_CODE_REV=${CODE_REV:-}
 ITERS=(--iters 30 --warmup 5)
 # Kernel knobs (edgespec.verifier.torch.knobs) for every phase after `experiments`: the winners it wrote
@@ -54,8 +55,8 @@ staged() {  # the GGUFs a phase reads must be complete: sha256 as in ~/.cache/ed
             # the target alone (its drafts are recorded or synthetic), so staging the draft (10 more calls,
             # ~50 s of device time) is needed only for `e2e`
   sha256sum "$@" | tee "$OUT/sha256.txt"
-  grep -q '^cc324af0' "$OUT/sha256.txt" || { echo "staged target GGUF incomplete"; exit 4; }
-  case " $* " in *" $DRAFT "*) grep -q '^1d961463' "$OUT/sha256.txt" || { echo "staged draft GGUF incomplete"; exit 4; } ;; esac
+  grep -q "^$TARGET_SHA256" "$OUT/sha256.txt" || { echo "staged target GGUF incomplete"; exit 4; }
+  case " $* " in *" $DRAFT "*) grep -q "^$DRAFT_SHA256" "$OUT/sha256.txt" || { echo "staged draft GGUF incomplete"; exit 4; } ;; esac
 }
 
 case $phase in

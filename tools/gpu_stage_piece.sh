@@ -10,9 +10,10 @@ piece=${1:?usage: tools/gpu_stage_piece.sh tNN|dNN}
 card=${CARD-H200}
 if [ -n "$card" ] && ! nvidia-smi -L | grep -q "$card"; then echo "not an $card: skipped"; exit 0; fi
 STAGE=${STAGE:-/tmp/stage}
+source "$(dirname "$0")/gpu_models.sh"
 case $piece in
-  t*) file=$STAGE/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf ;;
-  d*) file=$STAGE/qwen2.5-coder-0.5b-instruct.gguf ;;
+  t*) file=$STAGE/$TARGET_GGUF ;;
+  d*) file=$STAGE/$DRAFT_GGUF ;;
   *) echo "unknown piece $piece"; exit 2 ;;
 esac
 mkdir -p "$STAGE"

@@ -105,9 +105,8 @@ case $phase in
     # session's: cuBLAS without a workspace (engine.CUBLAS_WORKSPACE; per process, so A/B'd in alternating processes:
     # 8 x 64 -2 %) adopted; WARM_BELOW_MAIN=1 (the chain captured above the warming's priority) built, not yet
     # measured: add 'triton!WARM_BELOW_MAIN=1' with --checks l2_warm. The thirty-seventh session's: the norms after wo
-    # and w2 inside the matmuls around them (FUSED_NORMS=1: wo -> gate/up, 2: w2 -> the next wqkv, 3: both; two
-    # launches a layer fewer at 2-64 rows; logits move within float rounding, so its check is --checks fused_norms,
-    # not bit-identity): add 'triton!FUSED_NORMS=1,triton!FUSED_NORMS=3'. Otherwise the
+    # and w2 inside the matmuls around them (FUSED_NORMS, b9c24b9; H100: 1 x 64 +56 % / +111 %, the norm applied to
+    # each x tile as gate/up or wqkv loads it broke their pipeline at 64 rows) lost and were removed. Otherwise the
     # phase times the defaults; add a variant as 'triton,triton!KNOB=V' (with the pdl check for PDL or TRIGGER,
     # l2_warm for L2_WARM).
     EDGESPEC_KERNEL_KNOBS= python3 tools/bench_gpu_verify.py --skip attention,capacity,mixed,hf,matmuls \

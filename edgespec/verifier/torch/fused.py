@@ -242,13 +242,11 @@ if triton is not None:
 
     @triton.jit
     def _linear_rows_kernel(X, W, Bias, O, rows, N, K, k_split, x_stride, Cos, Sin, Slots, KC, VC, v_offset,
-                            Res, SqOut, Tickets, SqIn, NormW, eps,
                             K_TILES: tl.constexpr, COLS: tl.constexpr, R_MAIN: tl.constexpr, R_TAIL: tl.constexpr,
                             HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PAIR: tl.constexpr, PARTIALS: tl.constexpr,
                             EVEN_K: tl.constexpr, IEEE: tl.constexpr, ROWS_P: tl.constexpr,
                             BLOCK_K: tl.constexpr, GDC: tl.constexpr, LINES: tl.constexpr, SPAN: tl.constexpr,
-                            ROPE_D: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr,
-                            RESID_SPLITS: tl.constexpr, NORM_PARTS: tl.constexpr, NORM_P2: tl.constexpr):
+                            ROPE_D: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr):
         """out^T [cols, rows] = W[cols, k-slice] @ x^T[k-slice, rows] for program pid0's COLS output
         columns (any count: the GPU's SMs get an equal share, not whole power-of-two blocks, whose last
         wave left most of them idle: 280 blocks of gate/up on 132 SMs) and the K slice [pid1 * k_split,
@@ -260,13 +258,7 @@ if triton is not None:
         added and O [rows, N] written. ROPE_D > 0 (wqkv): no O [rows, N]; the epilogue rotates q and k and
         writes q to O [rows, H_Q, D], k and v to the cache (_rows_store). EVEN_K: every slice is whole BLOCK_K
         tiles inside K. With GDC the weight lines of the slice's first SPAN elements (LINES per row of the
-        main tile) are asked of L2 before the wait (pdl.py, PREFETCH_TILES).
-        RESID_SPLITS > 0 (linear_rows_residual; PARTIALS): the last of a column block's RESID_SPLITS K-slice
-        programs to finish adds the block's partials to the residual Res in place, as add_rmsnorm would, and
-        writes the rows' sums of squares over its columns to SqOut [column blocks, rows] (_add_residual).
-        NORM_PARTS > 0: x is a residual stream that the program RMS-normalises as it loads it, from the
-        NORM_PARTS sums of squares of SqIn [NORM_PARTS, rows] and the norm's weight NormW (what add_rmsnorm's
-        output would have been, but for the order of the squares' sum)."""
+        main tile) are asked of L2 before the wait (pdl.py, PREFETCH_TILES)."""
         p = tl.program_id(0)
         split = tl.program_id(1)
         r = tl.arange(0, ROWS_P)
@@ -285,11 +277,6 @@ if triton is not None:
             w_tail = W + w_tail[:, None] * K + kk[None, :]
             acc_tail = tl.zeros((R_TAIL, ROWS_P), tl.float32)
         x_ptr = X + r[None, :] * x_stride + kk[:, None]
-        if NORM_PARTS > 0:   # each row's 1 / RMS from the producer's sums of squares (add_rmsnorm's formula)
-            q = tl.arange(0, NORM_P2)
-            sq = tl.load(SqIn + q[:, None] * rows + r[None, :], mask=(q < NORM_PARTS)[:, None] & r_ok[None, :],
-                         other=0.0)
-            inv_rms = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
         for it in range(0, K_TILES):  # k_split // BLOCK_K
             k0 = k_lo + it * BLOCK_K
             if EVEN_K:
@@ -302,9 +289,6 @@ if triton is not None:
                                  tl.load(x_ptr + K + k0, mask=xm, other=0.0)).to(W.dtype.element_ty)
             else:
                 xt = tl.load(x_ptr + k0, mask=xm, other=0.0)
-            if NORM_PARTS > 0:
-                g = tl.load(NormW + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
-                xt = (xt.to(tl.float32) * inv_rms[None, :] * g[:, None]).to(X.dtype.element_ty)
             w = tl.load(w_main + k0, mask=ok_main[:, None] & k_ok[None, :], other=0.0)
             if IEEE:
                 acc_main = tl.dot(w, xt, acc_main, input_precision="ieee")
@@ -322,33 +306,6 @@ if triton is not None:
         if R_TAIL > 0:
             _rows_store(acc_tail, col_tail, ok_tail, O, Bias, split, r, r_ok, rows, N, Cos, Sin, Slots, KC, VC,
                         v_offset, HAS_BIAS, PAIR, PARTIALS, R_TAIL, ROWS_P, ROPE_D, H_Q, H_KV)
-        if RESID_SPLITS > 0:   # the column block's last K slice to finish adds the residual (CUTLASS's semaphore)
-            tl.debug_barrier()   # every thread's partials stored before the arrival is released
-            arrived = tl.atomic_add(Tickets + p, 1, sem="acq_rel", scope="gpu")
-            if arrived == RESID_SPLITS - 1:
-                sq = _add_residual(O, Res, col_main, ok_main, r, r_ok, rows, N, RESID_SPLITS, R_MAIN, ROWS_P)
-                if R_TAIL > 0:
-                    sq += _add_residual(O, Res, col_tail, ok_tail, r, r_ok, rows, N, RESID_SPLITS, R_TAIL, ROWS_P)
-                tl.store(SqOut + p * rows + r, sq, mask=r_ok)
-                tl.store(Tickets + p, 0)   # ready for the next launch (a stream runs its kernels in order)
-
-    @triton.jit
-    def _add_residual(Partials, Res, col, ok, r, r_ok, rows, N, SPLITS: tl.constexpr, R: tl.constexpr,
-                      ROWS_P: tl.constexpr):
-        """Res[r, col] += the sum of SPLITS float32 partials [SPLITS, rows, N], rounded as add_rmsnorm rounds
-        (the partials' sum, in slice order, to Res's dtype, then the add); returns each row's sum of squares
-        of the new Res over these columns. Partials are read past L1 (.cg): other SMs wrote them."""
-        m = ok[:, None] & r_ok[None, :]
-        part = tl.zeros((R, ROWS_P), tl.float32)
-        for s in tl.static_range(SPLITS):
-            part += tl.load(Partials + (s * rows + r[None, :]) * N + col[:, None], mask=m, other=0.0,
-                            cache_modifier=".cg")
-        res = Res + r[None, :] * N + col[:, None]
-        h = (tl.load(res, mask=m, other=0.0).to(tl.float32) + part.to(Res.dtype.element_ty).to(tl.float32))
-        h = h.to(Res.dtype.element_ty)
-        tl.store(res, h, mask=m)
-        hf = h.to(tl.float32)
-        return tl.sum(hf * hf, 0)
 
     @triton.jit
     def _gemv_unit(N, K, k_split, units, it, pid, progs, ITERS: tl.constexpr, K_TILES: tl.constexpr,
@@ -592,14 +549,6 @@ LINEAR_SILU_ROWS = 1    # gate/up runs as linear_silu (where the table has a con
                         # won at 1 x 1, 1 x 16 and 8 x 1 too (-1.5 / -3.3 / -3.8 %)
 
 
-FUSED_NORMS = 0   # from two rows on, an RMSNorm whose input comes from a linear_rows matmul runs inside the matmuls
-                  # around it, not as an add_rmsnorm launch: the producer's last K slice of each column block adds
-                  # the residual and writes its rows' sums of squares (linear_rows_residual), the consumer
-                  # normalises x as it loads it (Norm). Bit 1: wo -> gate/up (linear_silu); bit 2: w2 -> the next
-                  # layer's wqkv (linear_rope_store). The sum of squares is added in another order than
-                  # add_rmsnorm's, so logits move within float rounding. Pending: to be timed on the H200
-
-
 def _table_entry(rows: int, n: int, k: int) -> tuple[bool, tuple[int, int, int, int, int] | None]:
     for bound, cfg in LINEAR_ROWS_TABLE.get((n, k), ()):
         if rows <= bound:
@@ -708,25 +657,12 @@ class _Rope(NamedTuple):
     n_head_kv: int
 
 
-class Norm(NamedTuple):
-    """An RMSNorm that a matmul applies to its input as it loads it (FUSED_NORMS): the input is the residual
-    stream, `squares` the float32 sums of squares [parts, rows] over column blocks of it that
-    linear_rows_residual returned, `weight` the norm's."""
-
-    squares: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-
-
 def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
                         partials: bool, cfg: tuple[int, int, int, int, int] | None, pair: bool = False,
-                        rope: _Rope | None = None, residual: torch.Tensor | None = None,
-                        norm: Norm | None = None) -> torch.Tensor:
+                        rope: _Rope | None = None) -> torch.Tensor:
     """One row: the persistent GEMV (_gemv_kernel); more, or pair: _linear_rows_kernel. A K split writes
     float32 partials, returned as they are (partials) or summed, with the bias, by one more launch. With
-    rope, the epilogue rotates and stores (linear_rope_store) and q [rows, n_head, D] is returned. With
-    residual, the product is added to it in place and the sums of squares [column blocks, rows] are returned
-    (linear_rows_residual); with norm, x is normalised as it is loaded. Neither runs on the GEMV."""
+    rope, the epilogue rotates and stores (linear_rope_store) and q [rows, n_head, D] is returned."""
     rows = x.shape[0]
     n, k = weight.shape
     n_out = n // 2 if pair else n
@@ -737,16 +673,6 @@ def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         raise ValueError(f"linear_rows: x {tuple(x.shape)} against weight {tuple(weight.shape)} (contiguous)"
                          + (" as a gate/up pair (even rows, no bias, no partials)" if pair else ""))
     gemv = rows == 1 and not pair
-    if (residual is not None or norm is not None) and (gemv or silu):
-        raise ValueError("linear_rows: a residual or a norm needs the rows kernel (2+ rows, or a gate/up pair) "
-                         "and a plain input (not SiLU*up)")
-    if residual is not None and (residual.shape != (rows, n) or not residual.is_contiguous() or pair or rope
-                                 or bias is not None):
-        raise ValueError(f"linear_rows_residual: residual {tuple(residual.shape)} for {rows} rows of weight "
-                         f"{tuple(weight.shape)} (contiguous; no bias, pair or RoPE)")
-    if norm is not None and (norm.squares.ndim != 2 or norm.squares.shape[1] != rows or norm.weight.shape != (k,)):
-        raise ValueError(f"linear_rows: norm squares {tuple(norm.squares.shape)} and weight "
-                         f"{tuple(norm.weight.shape)} for {rows} rows of K = {k}")
     cols, block_k, split, warps, stages = cfg or linear_rows_config(rows, n, k, pair=pair, can_split=partials,
                                                                     device=x.device)
     k_split, split = k_slices(k, split, block_k)
@@ -755,7 +681,7 @@ def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     D = rope.cache.shape[-1] if rope else 0
     if rope and (split != 1 or cols % 2 or (gemv and D % cols)):
         raise ValueError(f"linear_rope_store: config {(cols, block_k, split)} does not pair within heads of {D}")
-    to_partials = partials or split > 1 or residual is not None
+    to_partials = partials or split > 1
     if rope:
         out = torch.empty(rows, rope.n_head, D, dtype=x.dtype, device=x.device)
         epilogue = (rope.cos, rope.sin, rope.slots, rope.cache, rope.cache, rope.cache.stride(0))
@@ -777,21 +703,12 @@ def _linear_rows_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         r_main, r_tail = _row_tiles((2 if pair else 1) * cols)
         ahead = min(PREFETCH_TILES, k_split // block_k)
         span = block_k << max(0, ahead.bit_length() - 1)   # a power of two of whole tiles inside the slice
-        blocks = triton.cdiv(n_out, cols)
-        squares = torch.empty(blocks, rows, dtype=torch.float32, device=x.device) if residual is not None else x
-        fused_norm = (residual if residual is not None else x, squares,
-                      _tickets(x.device, blocks) if residual is not None else x,
-                      norm.squares if norm else x, norm.weight if norm else x, norm.eps if norm else 0.0)
         launch_fitting(
-            _linear_rows_kernel, (blocks, split),
-            x, weight, x if bias is None else bias, out, rows, n_out, k, k_split, x.shape[1], *epilogue, *fused_norm,
+            _linear_rows_kernel, (triton.cdiv(n_out, cols), split),
+            x, weight, x if bias is None else bias, out, rows, n_out, k, k_split, x.shape[1], *epilogue,
             K_TILES=k_split // block_k, COLS=cols, R_MAIN=r_main, R_TAIL=r_tail, PAIR=pair, EVEN_K=k % k_split == 0,
             IEEE=weight.dtype == torch.float32, ROWS_P=max(16, triton.next_power_of_2(rows)),
-            LINES=pdl.lines(span, weight), SPAN=span, RESID_SPLITS=split if residual is not None else 0,
-            NORM_PARTS=norm.squares.shape[0] if norm else 0,
-            NORM_P2=triton.next_power_of_2(norm.squares.shape[0]) if norm else 1, **common)
-        if residual is not None:
-            return squares
+            LINES=pdl.lines(span, weight), SPAN=span, **common)
     if partials or split == 1:
         return out
     summed = torch.empty(rows, n, dtype=x.dtype, device=x.device)
@@ -844,58 +761,11 @@ def linear_rows_partials(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = 
 
 
 def linear_silu(x: torch.Tensor, gate_up: torch.Tensor,
-                config: tuple[int, int, int, int, int] | None = None, *, norm: Norm | None = None) -> torch.Tensor:
+                config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """silu_mul(F.linear(x, gate_up)) for x [rows <= 64, K] and the stacked gate/up weight [2F, K] in one
     launch: each program owns gate and up rows of the same output columns, so SiLU*up is its epilogue
-    (gate/up rounded to x's dtype first, as the two-launch path rounds them). Returns [rows, F]. With norm,
-    x is the residual stream and the RMSNorm before the MLP is applied as x is loaded."""
-    return _linear_rows_launch(x, gate_up, None, False, False, config, pair=True, norm=norm)
-
-
-def linear_rows_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-                         config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """residual += x @ weight.T in place, rounded as add_rmsnorm(residual, linear_rows_partials(x, weight), ...)
-    rounds it, with no add_rmsnorm launch: each column block's last K-slice program adds the block (2+ rows).
-    Returns the float32 sums of squares [column blocks, rows] of the new residual, from which the next matmul
-    normalises it as it loads it (Norm)."""
-    return _linear_rows_launch(x, weight, None, False, True, config, residual=residual)
-
-
-def linear_rows_residual_torch(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-                               blocks: int = 1) -> torch.Tensor:
-    """linear_rows_residual's reference: add_rmsnorm_torch's residual add, and the sums of squares over
-    `blocks` equal column blocks."""
-    residual += linear_rows_partials_torch(x, weight)[0].to(residual.dtype)   # add_rmsnorm_torch's residual add
-    h = residual.float()
-    return (h * h).view(h.shape[0], blocks, -1).sum(-1).t().contiguous()
-
-
-def norm_from_squares_torch(x: torch.Tensor, norm: Norm) -> torch.Tensor:
-    """The input a matmul with `norm` multiplies: x RMS-normalised from the sums of squares (add_rmsnorm's
-    formula), rounded to x's dtype."""
-    inv_rms = 1.0 / torch.sqrt(norm.squares.sum(0) / x.shape[1] + norm.eps)
-    return (x.float() * inv_rms[:, None] * norm.weight.float()).to(x.dtype)
-
-
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-_RETIRED_TICKETS: list[torch.Tensor] = []   # outgrown buffers: graphs captured with them still use them
-
-
-def _tickets(device: torch.device, n: int) -> torch.Tensor:
-    """linear_rows_residual's arrival counters, one per column block: zeros that every launch leaves at zero again
-    (the last program resets its block's). One buffer per device, made outside any CUDA-graph capture (graphs keep
-    its address; the engine runs a bucket eagerly before capturing it): the engine's launches on a device run one
-    after another on its stream."""
-    buf = _TICKETS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("linear_rows_residual's counters first needed inside a CUDA-graph capture: run the "
-                               "bucket once before capturing it")
-        if buf is not None:
-            _RETIRED_TICKETS.append(buf)
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _TICKETS[device] = buf
-    return buf
+    (gate/up rounded to x's dtype first, as the two-launch path rounds them). Returns [rows, F]."""
+    return _linear_rows_launch(x, gate_up, None, False, False, config, pair=True)
 
 
 # -- cuBLAS with K split, for the down matmul past the small-rows table -----------------------------
@@ -981,16 +851,16 @@ def linear_rope_store_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 def linear_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
                       sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, n_head: int,
-                      n_head_kv: int, *, norm: Norm | None = None) -> torch.Tensor:
+                      n_head_kv: int) -> torch.Tensor:
     """rope_store(linear_rows(x, weight, bias), ...) in one launch (rope_in_matmul_fits): the matmul's
     epilogue rotates q and k and writes q [rows, n_head, D] (returned) and k, v to the rows' cache slots;
-    one row runs the GEMV, more _linear_rows_kernel (which can also take norm, as linear_silu does)."""
+    one row runs the GEMV, more _linear_rows_kernel."""
     n, k = weight.shape
     if x.shape[1:] != (k,) or n != (n_head + 2 * n_head_kv) * cache.shape[-1]:
         raise ValueError(f"linear_rope_store: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"{n_head}+2*{n_head_kv} heads of {cache.shape[-1]}")
     return _linear_rows_launch(x, weight, bias, False, False, None,
-                               rope=_Rope(cos, sin, cache, slots, n_head, n_head_kv), norm=norm)
+                               rope=_Rope(cos, sin, cache, slots, n_head, n_head_kv))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -261,14 +261,10 @@ class TransformerLM(nn.Module):
         w2_parts = fused.w2_split_k(rows, blk.w2.weight.shape[1])   # w2's K slices where it runs on cuBLAS
         warm_lines = fused.l2_warm_lines(rows, blk.wo.weight, blk.w13.weight) if x.is_cuda else None
         warm = self._side_stream() if warm_lines is not None else None
-        # fused.FUSED_NORMS: the norm after wo inside wo and gate/up; the one after w2 inside w2 and the next wqkv
-        fuse_wo = bool(fused.FUSED_NORMS & 1) and rows >= 2 and use["wo"] and use["w13"]
-        fuse_w2 = bool(fused.FUSED_NORMS & 2) and rows >= 2 and use["w2"] and use["w13"] and rope_in_matmul
-        norm = None   # set where the last w2 left the next norm to wqkv (h is then not computed)
         for i, layer in enumerate(self.layers):
             if rope_in_matmul:   # one launch: the matmul's epilogue rotates and writes the cache
-                q = fused.linear_rope_store(h if norm is None else x, layer.wqkv.weight, layer.wqkv.bias, cos, sin,
-                                            cache[i], slots, c.n_head, c.n_head_kv, norm=norm)
+                q = fused.linear_rope_store(h, layer.wqkv.weight, layer.wqkv.bias, cos, sin, cache[i], slots,
+                                            c.n_head, c.n_head_kv)
             else:
                 qkv = fused.linear_rows(h, layer.wqkv.weight, layer.wqkv.bias) if use["wqkv"] else layer.wqkv(h)
                 q = fused.rope_store(qkv, cos, sin, cache[i], slots, c.n_head, c.n_head_kv)
@@ -278,20 +274,10 @@ class TransformerLM(nn.Module):
                     fused.warm_l2(layer.wo.weight)
                     fused.warm_l2(layer.w13.weight, warm_lines)
             att = attend(q.view(B, T, c.n_head, c.head_dim), cache[i]).reshape(rows, -1)
-            norm = None
-            if fuse_wo:   # x += att @ wo^T, and the norm applied as gate/up loads x
-                squares = fused.linear_rows_residual(att, layer.wo.weight, x)
-                act = fused.linear_silu(x, layer.w13.weight, norm=fused.Norm(squares, layer.ffn_norm.weight,
-                                                                             c.norm_eps))
-            else:
-                out = fused.linear_rows_partials(att, layer.wo.weight) if use["wo"] else layer.wo(att)
-                h, x = fused.add_rmsnorm(x, out, layer.ffn_norm.weight, c.norm_eps)   # partials: summed here
-                act = fused.linear_silu(h, layer.w13.weight) if use["w13"] else None   # SiLU*up its epilogue
-            if fuse_w2 and i + 1 < len(self.layers):   # x += act @ w2^T; the next wqkv applies the norm
-                squares = fused.linear_rows_residual(act, layer.w2.weight, x)
-                norm = fused.Norm(squares, self.layers[i + 1].attn_norm.weight, c.norm_eps)
-                continue
-            if act is not None:
+            out = fused.linear_rows_partials(att, layer.wo.weight) if use["wo"] else layer.wo(att)
+            h, x = fused.add_rmsnorm(x, out, layer.ffn_norm.weight, c.norm_eps)   # partials: summed here
+            if use["w13"]:   # SiLU*up as the gate/up matmul's epilogue
+                act = fused.linear_silu(h, layer.w13.weight)
                 down = fused.linear_rows_partials(act, layer.w2.weight) if use["w2"] else layer.w2(act)
             elif use["w2"]:  # float32 partials [SPLIT, rows, d], SiLU*up applied as w2 loads gate/up
                 down = fused.linear_rows_partials(layer.w13(h), layer.w2.weight, silu=True)

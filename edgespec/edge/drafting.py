@@ -75,8 +75,8 @@ class TreeShape:
         for shape in known:
             if shape.label == label:
                 return shape
-        raise ValueError(f"unknown tree shape {label!r} (target-only, chainK"
-                         + "".join(f", {s.label}" for s in known) + ")")
+        names = dict.fromkeys(["target-only", "chainK", *(s.label for s in known)])   # each once, in order
+        raise ValueError(f"unknown tree shape {label!r} ({', '.join(names)})")
 
     def __post_init__(self) -> None:
         if self.budget < 0 or min(self.max_depth, self.branching, self.width) < 1:
